@@ -1,0 +1,3 @@
+"""gspo: Group Sequence Policy Optimization for RL of language models with verifiable rewards."""
+
+__version__ = "0.1.0"
