@@ -1,0 +1,113 @@
+"""Checkpoints: a standard transformers directory plus the trainer state, written atomically.
+
+Layout of ``RUN/checkpoints/step_000050/``::
+
+    config.json, model.safetensors, tokenizer files   # loadable by transformers alone
+    trainer_state.json                                 # step, data position, metrics, RNG seeds
+    optimizer.pt, scheduler.pt                         # tensors only (torch.load weights_only=True)
+    checksums.json                                     # sha256 of every file above
+
+A checkpoint is written to a temporary folder and renamed into place, so a crash leaves either
+the previous checkpoint or the new one, never half of one. Loading verifies the checksums and
+falls back to the previous checkpoint when the newest is corrupt. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gspo.models import save_model
+
+STATE_FILE = "trainer_state.json"
+CHECKSUM_FILE = "checksums.json"
+PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted (missing files, checksum mismatch)."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{PREFIX}{step:06d}"
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler,
+                    state: dict, keep: int = 2) -> Path:
+    """Atomically write the checkpoint of ``step`` and prune old ones (keeping ``keep``)."""
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, tokenizer, tmp)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
+    sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    prune(run_dir, keep)
+    return final
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Finished checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+
+
+def prune(run_dir: str | Path, keep: int) -> None:
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify(path: Path) -> None:
+    sums_file = path / CHECKSUM_FILE
+    if not sums_file.is_file():
+        raise CheckpointError(f"{path}: no {CHECKSUM_FILE} (incomplete checkpoint)")
+    for name, digest in json.loads(sums_file.read_text()).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: missing {name}")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"{path}: checksum mismatch in {name}")
+
+
+@dataclass
+class LoadedState:
+    path: Path
+    state: dict
+    optimizer: dict
+    scheduler: dict
+
+
+def load_latest(run_dir: str | Path, warn=print) -> LoadedState | None:
+    """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            verify(path)
+        except CheckpointError as err:
+            warn(f"skipping checkpoint: {err}")
+            continue
+        return LoadedState(
+            path=path, state=json.loads((path / STATE_FILE).read_text()),
+            optimizer=torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"),
+            scheduler=torch.load(path / "scheduler.pt", weights_only=True, map_location="cpu"),
+        )
+    return None

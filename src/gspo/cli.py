@@ -1,0 +1,162 @@
+"""Command line: ``gspo train | sft | eval | report``. Thin over the library.
+
+User errors (config, data, unknown names, missing files) print one line and exit 2 before any
+model is built; everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """Raised for problems the user can fix; printed as one line."""
+
+
+def _user_errors():
+    from gspo.checkpoint import CheckpointError
+    from gspo.config import ConfigError
+    from gspo.tasks import TaskDataError
+    return (UserError, ConfigError, TaskDataError, CheckpointError, FileNotFoundError, ValueError)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _config(args, default: str | None = None):
+    from gspo.config import load_config
+    path = args.config if args.config else default
+    return load_config(path, args.overrides)
+
+
+def _split_config_and_overrides(args) -> None:
+    """`gspo train a.yaml k=v` and `gspo train k=v` both work: the config is the arg without '='."""
+    items = ([args.config] if args.config else []) + list(args.overrides)
+    configs = [x for x in items if "=" not in x]
+    if len(configs) > 1:
+        raise UserError(f"expected at most one config file, got {configs}")
+    args.config = configs[0] if configs else None
+    args.overrides = [x for x in items if "=" in x]
+
+
+# --------------------------------------------------------------------------------- commands
+def cmd_train(args) -> int:
+    from gspo.report import build_report
+    from gspo.trainer import Trainer
+    if args.resume:
+        run_cfg = Path(args.resume) / "config.yaml"
+        if not run_cfg.is_file():
+            raise UserError(f"--resume {args.resume}: no config.yaml (not a gspo run folder)")
+        args.config = str(run_cfg)
+    cfg = _config(args)
+    if args.resume:
+        cfg.run.dir = args.resume
+    trainer = Trainer(cfg, resume=bool(args.resume))
+    summary = trainer.run()
+    report = build_report(cfg.run.dir)
+    b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
+    print(f"held-out accuracy: {b:.3f} (cold start) -> {a:.3f} (after {summary['steps']} "
+          f"{summary['objective']} steps), {summary['wall_s']:.0f} s")
+    print(f"outputs: {cfg.run.dir}/  (summary.json, metrics.jsonl, {report.name}, tb/, checkpoints/)")
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from gspo.models import save_model
+    from gspo.trainer import build_task, initial_policy
+    cfg = _config(args)
+    task = build_task(cfg)
+    model, tokenizer, info = initial_policy(cfg, task, log=lambda m: print(m, file=sys.stderr))
+    if args.out:
+        save_model(model, tokenizer, args.out)
+        info["checkpoint"] = args.out
+    print(json.dumps(info, indent=1))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from gspo.evaluation import evaluate
+    from gspo.models import load_model
+    from gspo.trainer import DTYPES, build_task, resolve_device
+    cfg = _config(args)
+    task = build_task(cfg)
+    model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype])
+    model.to(resolve_device(cfg.model.device))
+    tests = task.split("test")[:cfg.eval.n] if cfg.eval.n else task.split("test")
+    result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
+                      k=cfg.eval.k, temperature=cfg.eval.temperature,
+                      batch_size=cfg.eval.batch_size, seed=cfg.seed)
+    print(json.dumps({"checkpoint": args.checkpoint, "task": cfg.task.name, **result.as_dict()},
+                     indent=1))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from gspo.report import build_report
+    if not Path(args.run_dir).is_dir():
+        raise UserError(f"{args.run_dir}: no such run folder")
+    print(build_report(args.run_dir))
+    return 0
+
+
+# --------------------------------------------------------------------------------- parser
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 seed=1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gspo", description="GSPO and friends: RL of language models with verifiable rewards.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="cold start (SFT) then RL, with held-out evaluation",
+                       description="Train a policy: SFT cold start (cached), then RL with the "
+                                   "configured objective. Example: gspo train configs/default.yaml "
+                                   "objective.name=grpo seed=1")
+    _add_config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("sft", help="only the cold-start SFT stage (cached by config)",
+                       description="Run (or reuse) the cold-start SFT and print where it is.")
+    _add_config_args(p)
+    p.add_argument("--out", help="also save the SFT model to this directory")
+    p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("eval", help="held-out accuracy / pass@k of any checkpoint",
+                       description="Evaluate a checkpoint on the configured task's test split.")
+    _add_config_args(p)
+    p.add_argument("--checkpoint", required=True, help="transformers checkpoint directory")
+    p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("report", help="rebuild report.md and plots of a run",
+                       description="Rebuild RUN_DIR/report.md and RUN_DIR/plots/*.png from its metrics.")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        if hasattr(args, "overrides"):
+            _split_config_and_overrides(args)
+        return args.fn(args)
+    except _user_errors() as err:
+        print(f"gspo: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("gspo: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Validated configuration: YAML files plus dotted ``key=value`` command-line overrides.
+
+One pydantic model per command (``TrainConfig`` for ``gspo train``; ``gspo sft`` and
+``gspo eval`` read the same sections). Every field carries a docstring, unknown keys are errors
+with a "did you mean", and all of it is checked before any model is built.
+``ConfigError`` carries a one-line, user-facing message; the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override: one line, names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(Section):
+    dir: str = "runs/default"
+    """Output folder: config.yaml, metrics.jsonl, TensorBoard events, checkpoints, report.md."""
+    save_every: int = Field(50, ge=0)
+    """Checkpoint every this many RL steps (0: only at the end)."""
+    eval_every: int = Field(25, ge=0)
+    """Held-out evaluation every this many RL steps (0: only before and after training)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many step checkpoints to keep (the final one is always kept)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under run.dir/tb."""
+    progress: bool = True
+    """Show a progress bar (disabled automatically when stderr is not a terminal)."""
+
+
+class ModelConfig(Section):
+    preset: str = "tiny-dense"
+    """Built-in architecture to initialise from scratch: tiny-dense | tiny-moe."""
+    path: str | None = None
+    """A local transformers causal-LM checkpoint to start from instead of a preset."""
+    overrides: dict[str, Any] = {}
+    """Fields set on the preset's transformers config (e.g. {num_hidden_layers: 2})."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype. Log-ratios are always computed in float32."""
+    device: str = "auto"
+    """cpu | cuda | cuda:N | auto (cuda when available)."""
+
+
+class TaskConfig(Section):
+    name: str = "arithmetic"
+    """Task from the registry (gspo.tasks.available()), or 'custom' for JSONL + reward function."""
+    n_train: int | None = Field(None, ge=1)
+    """Training prompts to generate (built-in tasks; None: the task's default)."""
+    n_test: int | None = Field(None, ge=1)
+    """Held-out prompts to generate (built-in tasks; None: the task's default)."""
+    params: dict[str, Any] = {}
+    """Task-specific generator options (e.g. {max_digits: 2} for arithmetic)."""
+    train_file: str | None = None
+    """custom task: JSONL file with 'prompt' and 'answer' per row (and any other columns)."""
+    test_file: str | None = None
+    """custom task: held-out JSONL file, same format."""
+    reward: str | None = None
+    """custom task: reward function as 'module:function', called fn(completion, **row) -> float."""
+    correct_threshold: float = 1.0
+    """custom task: a completion counts as correct when its reward is at least this."""
+
+
+class RewardSpec(Section):
+    type: str = "verifier"
+    """Reward source: verifier (the task's) | function (module:function) | model (local reward model)."""
+    weight: float = 1.0
+    """Weight of this source in the summed reward."""
+    fn: str | None = None
+    """function: 'module:function' with signature fn(completion, **row) -> float."""
+    path: str | None = None
+    """model: local AutoModelForSequenceClassification directory."""
+
+
+class SFTConfig(Section):
+    enabled: bool = True
+    """Cold-start the policy with supervised fine-tuning before RL (cached by its config)."""
+    steps: int = Field(300, ge=0)
+    """Optimizer steps of SFT; few on purpose, to stop at partial competence."""
+    batch_size: int = Field(64, ge=1)
+    """Demonstrations per SFT step."""
+    lr: float = Field(3e-3, gt=0)
+    """Peak learning rate (AdamW, linear warm-up, cosine decay)."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up steps."""
+    n_examples: int | None = Field(None, ge=1)
+    """Use only the first n training demonstrations (None: all)."""
+    cache_dir: str = "runs/.sft-cache"
+    """Where cold-start checkpoints are cached, one folder per config hash."""
+
+
+class RolloutConfig(Section):
+    prompts_per_step: int = Field(16, ge=1)
+    """P: prompts sampled per RL step."""
+    group_size: int = Field(8, ge=2)
+    """G: responses per prompt (the group of the group-relative advantage)."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Longest response; a response without EOS by then is truncated."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; log-probs are taken at the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (1.0: off). Log-probs ignore it, as in the paper."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
+
+
+class ObjectiveConfig(Section):
+    name: str = "gspo"
+    """Policy loss from the registry (gspo.objectives.available())."""
+    eps_low: float | None = Field(None, gt=0)
+    """Lower clip range (None: the objective's paper default; GSPO 3e-4)."""
+    eps_high: float | None = Field(None, gt=0)
+    """Upper clip range (None: the objective's paper default; GSPO 4e-4)."""
+    aggregation: Literal["seq-mean", "seq-mean-token-mean", "token-mean",
+                         "seq-mean-token-sum-norm"] | None = None
+    """Loss aggregation (None: the objective's paper default)."""
+    params: dict[str, float] = {}
+    """Extra objective hyper-parameters (e.g. {tau_pos: 1.0, tau_neg: 1.05} for sapo)."""
+
+
+class AdvantageConfig(Section):
+    scale: Literal["group", "batch", "none"] = "group"
+    """Divide centred rewards by the group std (paper Eq. 6), the batch std, or nothing."""
+    eps: float = Field(1e-6, gt=0)
+    """Added to the std before dividing."""
+
+
+class TrainLoopConfig(Section):
+    steps: int = Field(100, ge=0)
+    """RL steps (one rollout batch each)."""
+    minibatches: int = Field(4, ge=1)
+    """M: optimizer steps per rollout batch (the paper uses 4)."""
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up, in optimizer steps."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """π_old log-probs: recomputed by the trainer (first minibatch exactly on-policy) or the generator's (paper §5.4)."""
+    beta: float = Field(0.0, ge=0)
+    """Weight of the k3 KL to the reference (initial) policy; 0 as the GSPO paper."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight (subtracted from the loss)."""
+    mask_truncated: bool = False
+    """Drop responses that hit max_new_tokens without EOS from the loss."""
+    dynamic_sampling: bool = False
+    """Drop zero-variance groups and refill the batch with fresh prompts (DAPO)."""
+    max_refill_rounds: int = Field(3, ge=0)
+    """dynamic_sampling: extra generation rounds at most per step."""
+    logprob_chunk: int = Field(1024, ge=1)
+    """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
+
+
+class EvalConfig(Section):
+    n: int | None = Field(None, ge=1)
+    """Held-out prompts to evaluate (None: the whole test split)."""
+    k: int = Field(4, ge=1)
+    """Samples per prompt for mean pass@1 and pass@k."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature for pass@k (greedy accuracy uses argmax)."""
+    batch_size: int = Field(256, ge=1)
+    """Prompts per generation batch."""
+
+
+class TrainConfig(Section):
+    seed: int = 0
+    """Seeds model init, data order, sampling: same seed, same run (on CPU)."""
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    rewards: list[RewardSpec] = [RewardSpec()]
+    """Reward sources, summed with their weights."""
+    sft: SFTConfig = SFTConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    train: TrainLoopConfig = TrainLoopConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        n = self.rollout.prompts_per_step * self.rollout.group_size
+        if n % self.train.minibatches:
+            raise ValueError(
+                f"train.minibatches={self.train.minibatches} must divide the batch "
+                f"rollout.prompts_per_step*group_size={n}")
+        if self.task.name == "custom":
+            for key in ("train_file", "test_file", "reward"):
+                if getattr(self.task, key) is None:
+                    raise ValueError(f"task.{key} is required when task.name=custom")
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        """N = P x G sequences per RL step (derived)."""
+        return self.rollout.prompts_per_step * self.rollout.group_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML + overrides -> validated model, with one-line errors.
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'train.steps=5' -> (['train', 'steps'], 5); values are parsed as YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not key=value (e.g. train.steps=50)")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_override(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {part!r} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data
+
+
+def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Valid keys at the location of an error (for the "did you mean")."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def format_validation_error(err: ValidationError, model: type[BaseModel], source: str) -> str:
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    key = ".".join(str(p) for p in loc) or "<config>"
+    if first["type"] == "extra_forbidden":
+        names = _field_names(model, loc)
+        close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
+        return f"{source}: unknown key {key!r}{hint}"
+    msg = first["msg"].removeprefix("Value error, ")
+    if not loc:
+        return f"{source}: {msg}"
+    return f"{source}: {key}: {msg} (got {first.get('input')!r})"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                model: type[BaseModel] = TrainConfig) -> Any:
+    """Read ``path`` (optional), apply ``key=value`` overrides, validate. Raises ConfigError."""
+    tree = read_yaml(path) if path else {}
+    for text in overrides:
+        apply_override(tree, *parse_override(text))
+    source = str(path) if path else "config"
+    try:
+        return model.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, model, source)) from None
+
+
+def config_hash(*parts: Any) -> str:
+    """A short stable hash of JSON-able parts (used to cache cold-start checkpoints)."""
+    blob = json.dumps([p.model_dump() if isinstance(p, BaseModel) else p for p in parts],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def dump_yaml(config: BaseModel, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

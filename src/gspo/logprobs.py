@@ -1,0 +1,220 @@
+"""Memory-bounded token log-probs and entropies of responses under a transformers causal LM.
+
+What it is: `response_logprobs` runs the decoder body once to get hidden states, packs the hidden
+states of response tokens (`response_mask == 1`), and applies the output head chunk by chunk,
+computing `log_softmax(logits / temperature)`, the gather at the sampled token and the entropy in
+float32 per chunk. With grad enabled each chunk runs under non-reentrant activation checkpointing,
+so only hidden states are kept and a chunk's logits are recomputed in backward. Peak memory of the
+head is O(chunk_size * V) instead of the O(N * L * V) of `model(...).logits` and the O(N * T * V)
+float32 log-softmax. `naive_response_logprobs` is the plain full-logits reference (tests, benchmark).
+
+What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no sequence
+packing of the decoder input, no KL or loss; the decoder body runs unchanged (use the model's own
+gradient checkpointing for its activations). Head transforms handled: Cohere `logit_scale`,
+Gemma `final_logit_softcapping`; a config with `logits_scaling` (Granite, MiniCPM3, ...) is
+refused rather than silently mis-scored. Parallel wrappers (DDP, FSDP) must be unwrapped by the
+caller: this calls the decoder and the head directly, not the wrapper's `forward` (wrap a module
+whose `forward` calls this function instead).
+
+Shapes: N sequences, L = prompt + response columns, T response columns, H hidden, V vocabulary,
+K response tokens in the batch (`response_mask.sum()`), C tokens per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class TokenLogProbs:
+    """Per-token log-probs and entropies of the response columns."""
+
+    logp: torch.Tensor
+    """[N, T] float32 log π(y_t | x, y_<t) at the sampling temperature; 0 where mask == 0."""
+    entropy: torch.Tensor | None
+    """[N, T] float32 entropy of π(· | x, y_<t); 0 where mask == 0; detached unless requested."""
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for left-padded rows, as HF generate uses: cumsum(mask) - 1, clamped at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The decoder body (input ids -> last hidden state) and the output head of a causal LM."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, "model", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if decoder is None or head is None:
+        raise TypeError(f"{type(model).__name__}: need a decoder body and an output head")
+    return decoder, head
+
+
+def _logit_transform(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the model's forward does to `head(hidden)`, applied here in float32."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "logits_scaling", None) not in (None, 1, 1.0):
+        raise NotImplementedError(f"{type(model).__name__}: config.logits_scaling is not supported")
+    scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2/3: cap * tanh(logits / cap)
+
+    def transform(z: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            z = z * scale
+        if cap is not None:
+            z = torch.tanh(z / cap) * cap
+        return z
+
+    return transform
+
+
+def _response_hidden(
+    decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, **forward_kwargs
+) -> torch.Tensor:
+    """Hidden states at the positions that predict the response tokens (L-T-1 .. L-2)."""
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        **forward_kwargs,
+    )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [N, L, H]
+    L = input_ids.shape[1]
+    return hidden[:, L - T - 1 : L - 1]  # [N, T, H]
+
+
+def _chunk_logprobs(
+    head: nn.Module,
+    transform: Callable[[torch.Tensor], torch.Tensor],
+    h: torch.Tensor,  # [C, H]
+    targets: torch.Tensor,  # [C]
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(target) and entropy for one chunk of tokens; the [C, V] logits live only here."""
+    z = transform(head(h).float())  # [C, V]
+    z = z / temperature if z.requires_grad else z.div_(temperature)  # [C, V]  z = logits / τ
+    lse = torch.logsumexp(z, dim=-1)  # [C]
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse  # [C]  log softmax(z)[y]
+    if not with_entropy:
+        return logp, logp.new_zeros(())
+    if not entropy_grad:
+        z, lse = z.detach(), lse.detach()
+    p = torch.softmax(z, dim=-1)  # [C, V]
+    pz = (p * z if p.requires_grad else p.mul_(z)).sum(-1)  # [C]  Σ_v p_v z_v
+    return logp, lse - pz  # H = logsumexp(z) − Σ softmax(z)·z
+
+
+def _packed_logprobs(
+    head: nn.Module,
+    transform: Callable[[torch.Tensor], torch.Tensor],
+    h: torch.Tensor,  # [K, H]
+    targets: torch.Tensor,  # [K]
+    *,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of K packed tokens, C = chunk_size at a time."""
+    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
+    logps, ents = [], []
+    for h_c, y_c in zip(h.split(chunk_size), targets.split(chunk_size)):  # [C, H], [C]
+        args = (head, transform, h_c, y_c, temperature, with_entropy, entropy_grad)
+        lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
+        logps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(logps) if logps else h.new_zeros(0, dtype=torch.float32)  # [K]
+    ent = torch.cat(ents) if with_entropy and ents else logp.new_zeros(0)  # [K]
+    return logp, ent
+
+
+def _unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scatter K packed values back into [N, T] zeros at mask == 1 (row-major, like mask indexing)."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+
+
+def _check_layout(input_ids: torch.Tensor, response_mask: torch.Tensor) -> int:
+    N, L = input_ids.shape
+    T = response_mask.shape[1]
+    if response_mask.shape[0] != N or T >= L:
+        raise ValueError(f"need response_mask [N, T] with T < L; got input_ids {input_ids.shape}, mask {response_mask.shape}")
+    return T
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,  # [N, L] prompt (left-padded) + response (right-padded)
+    attention_mask: torch.Tensor,  # [N, L]
+    response_mask: torch.Tensor,  # [N, T] 1 for generated tokens up to and including EOS
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    **forward_kwargs,
+) -> TokenLogProbs:
+    """logp[i, t] = log softmax(logits / τ)[L-T+t-1] at input_ids[i, L-T+t], chunked over tokens.
+
+    `forward_kwargs` go to the decoder body. The head runs only on the K tokens with mask == 1.
+    """
+    T = _check_layout(input_ids, response_mask)
+    decoder, head = _decoder_and_head(model)
+    hidden = _response_hidden(decoder, input_ids, attention_mask, T, **forward_kwargs)  # [N, T, H]
+    mask = response_mask.bool()  # [N, T]
+    logp_k, ent_k = _packed_logprobs(
+        head,
+        _logit_transform(model),
+        hidden[mask],  # [K, H]
+        input_ids[:, -T:][mask],  # [K]
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+    entropy = _unpack(ent_k, mask) if with_entropy else None  # [N, T]
+    return TokenLogProbs(logp=_unpack(logp_k, mask), entropy=entropy)  # [N, T]
+
+
+def naive_response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,  # [N, L]
+    attention_mask: torch.Tensor,  # [N, L]
+    response_mask: torch.Tensor,  # [N, T]
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    **forward_kwargs,
+) -> TokenLogProbs:
+    """Reference: full [N, L, V] logits from `model(...)`, then a [N, T, V] float32 log-softmax.
+
+    Same arguments and outputs as `response_logprobs`, less `chunk_size`.
+    """
+    T = _check_layout(input_ids, response_mask)
+    L = input_ids.shape[1]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        **forward_kwargs,
+    )
+    z = out.logits[:, L - T - 1 : L - 1].float() / temperature  # [N, T, V]
+    logp_all = torch.log_softmax(z, dim=-1)  # [N, T, V]
+    mask = response_mask.bool()  # [N, T]
+    logp = torch.where(mask, logp_all.gather(-1, input_ids[:, -T:, None]).squeeze(-1), 0.0)  # [N, T]
+    if not with_entropy:
+        return TokenLogProbs(logp=logp, entropy=None)
+    z = z if entropy_grad else z.detach()
+    entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)  # [N, T]  H = lse(z) − Σ softmax(z)·z
+    entropy = torch.where(mask, entropy, 0.0)  # [N, T]
+    return TokenLogProbs(logp=logp, entropy=entropy)

@@ -1,0 +1,148 @@
+"""Tiny model presets, the character tokenizer, and loading of local checkpoints.
+
+Every model here is a plain transformers model and every checkpoint a standard transformers
+directory (``config.json`` + ``model.safetensors`` + tokenizer files) that
+``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` load without this
+package. Nothing is downloaded: presets are built from configurations, weights are random until
+trained.
+
+This module deliberately does not know about training; it only builds, loads and saves.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import models as tk_models
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+# All printable ASCII (letters, digits, punctuation, space) and newline: 96 characters.
+CHARACTERS = tuple(string.ascii_letters + string.digits + string.punctuation + " \n")
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one id per printable ASCII character and newline.
+
+    Ids 0..3 are ``<pad> <bos> <eos> <unk>``; encoding prepends ``<bos>``. Saved with
+    ``save_pretrained`` it is a standard ``tokenizer.json`` that ``AutoTokenizer`` loads.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    tok = Tokenizer(tk_models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+        padding_side="left", model_max_length=4096,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: name -> config builder. Sizes are chosen so a step of RL runs in about a second on a
+# 2-core CPU; the MoE preset keeps the dense preset's depth and width so they compare fairly.
+
+PRESETS: dict[str, Callable[[int], PretrainedConfig]] = {}
+
+
+def register_preset(name: str):
+    def wrap(fn: Callable[[int], PretrainedConfig]):
+        PRESETS[name] = fn
+        return fn
+    return wrap
+
+
+def _common(vocab_size: int) -> dict:
+    return dict(
+        vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=10000.0,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+
+
+@register_preset("tiny-dense")
+def tiny_dense(vocab_size: int) -> PretrainedConfig:
+    """Qwen3 architecture, 4 layers x 128 wide, ~0.8M parameters."""
+    return Qwen3Config(**_common(vocab_size), intermediate_size=384)
+
+
+@register_preset("tiny-moe")
+def tiny_moe(vocab_size: int) -> PretrainedConfig:
+    """Qwen3-MoE architecture, 4 layers x 128 wide, 8 experts, top-2 routing, every layer MoE."""
+    return Qwen3MoeConfig(
+        **_common(vocab_size), intermediate_size=384, moe_intermediate_size=96, num_experts=8,
+        num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+        router_aux_loss_coef=0.0, output_router_logits=False,
+    )
+
+
+def available_presets() -> list[str]:
+    return sorted(PRESETS)
+
+
+def preset_config(name: str, vocab_size: int, overrides: dict | None = None) -> PretrainedConfig:
+    """The transformers config of preset ``name``, with ``overrides`` applied on top."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(available_presets())}")
+    config = PRESETS[name](vocab_size)
+    for key, value in (overrides or {}).items():
+        if not hasattr(config, key):
+            raise ValueError(f"model.overrides: {name} config has no field {key!r}")
+        setattr(config, key, value)
+    return config
+
+
+def build_model(preset: str, seed: int, overrides: dict | None = None,
+                dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A freshly initialised preset model and the character tokenizer, deterministic in ``seed``."""
+    tokenizer = build_char_tokenizer()
+    config = preset_config(preset, len(tokenizer), overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model, tokenizer
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Any local causal-LM checkpoint directory (transformers format); never downloads."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: {path} is not a transformers checkpoint (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if tokenizer.pad_token_id is None:  # many causal LMs ship without one; EOS is the usual stand-in
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> None:
+    """Write a standard transformers directory (safetensors weights)."""
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

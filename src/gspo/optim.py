@@ -1,0 +1,21 @@
+"""AdamW and learning-rate schedules shared by SFT and RL (thin over torch / transformers)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import get_scheduler
+
+SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
+                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int,
+                    total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warm-up then ``schedule`` (constant | cosine | linear) over ``total_steps``."""
+    return get_scheduler(SCHEDULES[schedule], optimizer, num_warmup_steps=warmup_steps,
+                         num_training_steps=max(total_steps, 1))

@@ -1,0 +1,84 @@
+"""Run report: PNG plots of the logged metrics and a ``report.md`` that links them.
+
+Reads only the run folder (``metrics.jsonl``, ``summary.json``, ``config.yaml``), so
+``gspo report RUN_DIR`` rebuilds it at any time, including for a run that is still going.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from gspo.metrics import read_metrics  # noqa: E402
+
+# (metric key, title); a panel is drawn only when the run logged that metric.
+PANELS = [
+    ("reward/mean", "training reward"),
+    ("eval/accuracy", "held-out greedy accuracy"),
+    ("policy/clip_frac_tokens", "clipped fraction of tokens"),
+    ("policy/entropy", "policy entropy"),
+    ("response/length_mean", "response length (tokens)"),
+    ("optim/grad_norm", "gradient norm"),
+    ("policy/kl_ref", "KL to reference"),
+    ("policy/approx_kl", "approx KL old -> new"),
+]
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_panel(rows: list[dict], key: str, title: str, path: Path) -> bool:
+    xs, ys = series(rows, key)
+    if not xs:
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, lw=1.5)
+    ax.set_title(title)
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def build_report(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl to report on")
+    plots = run_dir / "plots"
+    plots.mkdir(exist_ok=True)
+    lines = [f"# Run report: `{run_dir}`", ""]
+    summary_file = run_dir / "summary.json"
+    if summary_file.is_file():
+        s = json.loads(summary_file.read_text())
+        before, after = s["eval_before"], s["eval_after"]
+        lines += [f"Objective **{s['objective']}** on task **{s['task']}**, seed {s['seed']}, "
+                  f"{s['steps']} steps, {s['wall_s']:.0f} s wall.", "",
+                  "| held-out | before RL | after RL |", "|---|---|---|"]
+        lines += [f"| {k} | {_fmt(before[k])} | {_fmt(after[k])} |" for k in before if k in after]
+        lines.append("")
+    else:
+        lines += ["Run in progress (no summary.json yet).", ""]
+    for key, title in PANELS:
+        name = key.replace("/", "_") + ".png"
+        if plot_panel(rows, key, title, plots / name):
+            lines.append(f"![{title}](plots/{name})")
+    last = rows[-1]
+    lines += ["", "## Last logged step", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in last.items()]
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out

@@ -1,0 +1,211 @@
+"""Reward composition: verifiers, user functions (`module:function`) and reward models, weighted.
+
+A `RewardSource` maps (completions, examples) to one float per completion. `CombinedReward`
+sums weighted sources into `RewardResult(total [N], per_source {name: [N]})`, the per-source
+values unweighted so they can be logged as `reward/<name>`. `build_rewards(specs, task)` builds
+one from config dicts through a registry of source types. This module does not sandbox or time
+out user code, nor normalise rewards (advantages do that).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+from gspo.tasks import Example, Task
+from gspo.tasks.base import call_kwargs, to_reward
+from gspo.tasks.custom import load_function
+
+
+@runtime_checkable
+class RewardSource(Protocol):
+    """One named reward: a float per completion."""
+
+    name: str
+
+    def __call__(self, completions: list[str], examples: list[Example]) -> list[float]: ...
+
+
+@dataclass
+class RewardResult:
+    """Combined rewards of a batch of N completions."""
+
+    total: torch.Tensor  # [N] float32, sum_k weight_k * per_source[k]
+    per_source: dict[str, torch.Tensor]  # name -> [N] float32, unweighted
+
+
+class VerifierReward:
+    """The task's own verifier, `task.reward(completion, example)`."""
+
+    def __init__(self, task: Task, *, name: str = "verifier"):
+        self.task, self.name = task, name
+
+    def __call__(self, completions: list[str], examples: list[Example]) -> list[float]:
+        src = f"{self.name} ({self.task.name}.reward)"
+        return [to_reward(self.task.reward(c, ex), src) for c, ex in zip(completions, examples)]
+
+
+class FunctionReward:
+    """A user function `fn(completion, prompt=..., answer=..., **data) -> float`."""
+
+    def __init__(self, fn: str | Callable, *, name: str | None = None):
+        self.spec = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+        self.fn = load_function(fn) if isinstance(fn, str) else fn
+        self.name = name or self.spec.replace(":", ".")
+
+    def __call__(self, completions: list[str], examples: list[Example]) -> list[float]:
+        return [
+            to_reward(self.fn(c, prompt=ex.prompt, answer=ex.answer, **ex.data), f"function {self.spec!r}")
+            for c, ex in zip(completions, examples)
+        ]
+
+
+class ModelReward:
+    """A local `AutoModelForSequenceClassification` scoring `prompt + completion` (logit `label`)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        name: str | None = None,
+        batch_size: int = 16,
+        device: str = "cpu",
+        label: int = 0,
+        max_length: int | None = None,
+    ):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if not os.path.isdir(path):
+            raise ValueError(f"reward model: {path!r} is not a local directory")
+        self.name = name or "model_" + os.path.basename(os.path.normpath(path))
+        self.batch_size, self.device, self.label, self.max_length = batch_size, device, label, max_length
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+        self.model.to(device).eval()
+        if self.tokenizer.pad_token is None:
+            if self.tokenizer.eos_token is None:
+                raise ValueError(f"reward model {path!r}: tokenizer has neither a pad nor an eos token")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.model.config.pad_token_id is None:  # sequence classifiers find the last token by it
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        if not 0 <= label < self.model.config.num_labels:
+            n = self.model.config.num_labels
+            raise ValueError(f"reward model {path!r}: label {label} out of range (num_labels={n})")
+
+    @torch.no_grad()
+    def __call__(self, completions: list[str], examples: list[Example]) -> list[float]:
+        texts = [ex.prompt + c for c, ex in zip(completions, examples)]
+        scores: list[float] = []
+        for i in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(
+                texts[i : i + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=self.max_length is not None,
+                max_length=self.max_length,
+            ).to(self.device)
+            logits = self.model(**enc).logits.float()  # [B, num_labels]
+            scores.extend(logits[:, self.label].tolist())
+        return scores
+
+
+class CombinedReward:
+    """Weighted sum of reward sources."""
+
+    def __init__(self, sources: list[tuple[RewardSource, float]]):
+        if not sources:
+            raise ValueError("CombinedReward needs at least one reward source")
+        names = [s.name for s, _ in sources]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"reward source names must be unique, repeated: {', '.join(dupes)} (set 'name')")
+        for s, w in sources:
+            if not isinstance(w, numbers.Real) or not math.isfinite(w):
+                raise ValueError(f"reward source {s.name!r}: weight must be a finite number, got {w!r}")
+        self.sources = [(s, float(w)) for s, w in sources]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {s.name: w for s, w in self.sources}
+
+    def __call__(self, completions: list[str], examples: list[Example]) -> RewardResult:
+        n = len(completions)
+        if len(examples) != n:
+            raise ValueError(f"got {n} completions but {len(examples)} examples")
+        total = torch.zeros(n, dtype=torch.float32)  # [N]
+        per_source = {}
+        for source, weight in self.sources:
+            values = source(completions, examples)
+            if len(values) != n:
+                raise ValueError(f"reward source {source.name!r} returned {len(values)} values for {n} completions")
+            r = torch.tensor(values, dtype=torch.float32)  # [N]
+            per_source[source.name] = r
+            total += weight * r
+        return RewardResult(total=total, per_source=per_source)
+
+
+# ---------------------------------------------------------------------------------------------
+# config: {"type": ..., "weight": ..., <type-specific keys>} -> source, through a registry
+
+_SOURCE_TYPES: dict[str, Callable[..., RewardSource]] = {}
+
+
+def register_source(type_name: str):
+    """Decorator: `builder(task, **spec_keys) -> RewardSource` under `{"type": type_name}`."""
+
+    def deco(builder):
+        if type_name in _SOURCE_TYPES:
+            raise ValueError(f"reward type {type_name!r} is already registered")
+        _SOURCE_TYPES[type_name] = builder
+        return builder
+
+    return deco
+
+
+def source_types() -> list[str]:
+    """Registered reward source types, sorted."""
+    return sorted(_SOURCE_TYPES)
+
+
+@register_source("verifier")
+def _verifier(task: Task | None, *, name: str = "verifier") -> RewardSource:
+    if task is None:
+        raise ValueError("reward type 'verifier' needs a task")
+    return VerifierReward(task, name=name)
+
+
+@register_source("function")
+def _function(task: Task | None, *, fn: str, name: str | None = None) -> RewardSource:
+    return FunctionReward(fn, name=name)
+
+
+@register_source("model")
+def _model(
+    task: Task | None,
+    *,
+    path: str,
+    name: str | None = None,
+    batch_size: int = 16,
+    device: str = "cpu",
+    label: int = 0,
+    max_length: int | None = None,
+) -> RewardSource:
+    return ModelReward(path, name=name, batch_size=batch_size, device=device, label=label, max_length=max_length)
+
+
+def build_rewards(specs: list[dict], task: Task | None = None) -> CombinedReward:
+    """Build a `CombinedReward` from dicts like `{"type": "function", "fn": "m:f", "weight": 0.5}`."""
+    sources = []
+    for i, spec in enumerate(specs):
+        spec = {k: v for k, v in spec.items() if v is not None}  # None: unset (a config's blank field)
+        kind, weight = spec.pop("type", None), spec.pop("weight", 1.0)
+        if kind not in _SOURCE_TYPES:
+            raise ValueError(f"rewards[{i}]: unknown reward type {kind!r}; valid types: {', '.join(source_types())}")
+        builder = _SOURCE_TYPES[kind]
+        call_kwargs(builder, spec, what=f"rewards[{i}] (type {kind!r})", args=(task,))
+        sources.append((builder(task, **spec), weight))
+    return CombinedReward(sources)

@@ -1,0 +1,142 @@
+"""Rollouts: batched sampling of G responses per prompt with transformers ``generate``.
+
+Produces a ``RolloutBatch`` in the layout every other module uses: prompt tokens left-padded,
+response tokens right-padded, ``response_mask`` = 1 for generated tokens up to and including
+the first EOS (DESIGN.md §1). It does not score or train; it only samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gspo.tasks import Example
+
+
+@dataclass
+class SamplingParams:
+    """What the generator was asked for; logged with every run."""
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+    def generate_kwargs(self) -> dict:
+        if self.greedy:
+            return dict(do_sample=False, max_new_tokens=self.max_new_tokens,
+                        temperature=None, top_p=None, top_k=None)
+        return dict(do_sample=True, max_new_tokens=self.max_new_tokens,
+                    temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor        # [N, L] prompt (left-padded) + response (right-padded)
+    attention_mask: torch.Tensor   # [N, L]
+    response_mask: torch.Tensor    # [N, T] float, 1 up to and including EOS
+    truncated: torch.Tensor        # [N] bool, no EOS within max_new_tokens
+    completions: list[str]         # N decoded responses (without EOS)
+    examples: list[Example]        # N, the prompt's example repeated G times
+    rollout_logp: torch.Tensor | None = None  # [N, T] generator log-probs at the sampling temperature
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        return self.input_ids[:, -self.response_mask.shape[1]:]  # [N, T]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)  # [N]
+
+    def select(self, index: torch.Tensor) -> "RolloutBatch":
+        """Rows ``index`` (a LongTensor) of every per-sequence field."""
+        idx = index.tolist()
+        return RolloutBatch(
+            input_ids=self.input_ids[index], attention_mask=self.attention_mask[index],
+            response_mask=self.response_mask[index], truncated=self.truncated[index],
+            completions=[self.completions[i] for i in idx], examples=[self.examples[i] for i in idx],
+            rollout_logp=None if self.rollout_logp is None else self.rollout_logp[index],
+            extras={k: v[index] for k, v in self.extras.items()},
+        )
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask up to and including the first EOS; truncated rows have no EOS.
+
+    >>> response_mask_from_ids(torch.tensor([[5, 2, 0], [5, 6, 7]]), eos_id=2)
+    (tensor([[1., 1., 0.], [1., 1., 1.]]), tensor([False,  True]))
+    """
+    is_eos = response_ids == eos_id                                  # [N, T]
+    seen_before = (is_eos.cumsum(-1) - is_eos.long()) > 0            # an EOS strictly earlier
+    mask = (~seen_before).float()                                    # [N, T]
+    return mask, ~is_eos.any(-1)
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], device) -> dict:
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+
+
+@torch.no_grad()
+def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
+             params: SamplingParams, *, group_size: int = 1, with_logprobs: bool = False,
+             seed: int | None = None) -> RolloutBatch:
+    """Sample ``group_size`` responses for each example (rows grouped consecutively)."""
+    device = next(model.parameters()).device
+    rows = [ex for ex in examples for _ in range(group_size)]
+    enc = encode_prompts(tokenizer, [ex.prompt for ex in rows], device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    out = model.generate(**enc, **params.generate_kwargs(), use_cache=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         return_dict_in_generate=True, output_logits=with_logprobs)
+    model.train(was_training)
+    prompt_len = enc["input_ids"].shape[1]
+    response_ids = out.sequences[:, prompt_len:]                                  # [N, T]
+    mask, truncated = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    response_ids = torch.where(mask.bool(), response_ids, tokenizer.pad_token_id)
+    rollout_logp = None
+    if with_logprobs:
+        logits = torch.stack(out.logits, dim=1).float() / params.temperature      # [N, T, V]
+        rollout_logp = torch.log_softmax(logits, -1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+        rollout_logp = rollout_logp * mask
+    return RolloutBatch(
+        input_ids=torch.cat([enc["input_ids"], response_ids], dim=1),
+        attention_mask=torch.cat([enc["attention_mask"], mask.long()], dim=1),
+        response_mask=mask, truncated=truncated,
+        completions=decode(tokenizer, response_ids, mask), examples=rows, rollout_logp=rollout_logp,
+    )
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, response_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Response text without EOS and padding."""
+    ids = [row[m.bool()].tolist() for row, m in zip(response_ids.cpu(), mask.cpu())]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def demonstration_batch(tokenizer: PreTrainedTokenizerBase, examples: list[Example], device,
+                        max_new_tokens: int | None = None) -> RolloutBatch:
+    """Prompt + demonstration answer + EOS in rollout layout (for SFT and tests)."""
+    enc = encode_prompts(tokenizer, [ex.prompt for ex in examples], device)
+    answers = [tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+               for ex in examples]
+    if max_new_tokens is not None:
+        answers = [a[:max_new_tokens] for a in answers]
+    width = max(len(a) for a in answers)
+    ids = torch.full((len(examples), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(examples), width)
+    for i, a in enumerate(answers):
+        ids[i, :len(a)] = torch.tensor(a)
+        mask[i, :len(a)] = 1.0
+    ids, mask = ids.to(device), mask.to(device)
+    return RolloutBatch(
+        input_ids=torch.cat([enc["input_ids"], ids], dim=1),
+        attention_mask=torch.cat([enc["attention_mask"], mask.long()], dim=1),
+        response_mask=mask, truncated=torch.zeros(len(examples), dtype=torch.bool, device=device),
+        completions=[ex.answer for ex in examples], examples=list(examples),
+    )

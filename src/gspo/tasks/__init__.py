@@ -1,0 +1,23 @@
+"""Built-in verifiable tasks and their registry.
+
+`build("arithmetic", seed=0)` returns a `Task`: seeded `split("train" | "test")` lists of
+`Example(prompt, answer, data)` (disjoint by prompt) and a verifier (`reward`, `is_correct`).
+Prompts and answers are short plain ASCII, sized for tiny character-level models. Built in:
+`arithmetic`, `multistep`, `countdown`, `custom` (JSONL + a user reward function). A new task is
+a class with those methods under `@register("name")`. Reward composition lives in `gspo.rewards`.
+"""
+
+from gspo.tasks.base import (
+    Example,
+    Task,
+    TaskDataError,
+    available,
+    build,
+    get,
+    register,
+)
+
+# Built-in tasks register themselves on import.
+from gspo.tasks import arithmetic, countdown, custom, multistep  # noqa: E402,F401  isort: skip
+
+__all__ = ["Example", "Task", "TaskDataError", "available", "build", "get", "register"]

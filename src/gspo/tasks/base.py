@@ -1,0 +1,150 @@
+"""The task interface and the helpers every built-in task shares.
+
+A task is a seeded data generator with a verifier: `split("train" | "test")` gives `Example`s,
+`reward(completion, example)` scores one completion, `is_correct` decides accuracy. This module
+holds the types, the name registry and the split builder; it holds no task of its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+SPLITS = ("train", "test")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt with its demonstration answer and extra columns for reward functions."""
+
+    prompt: str  # what the model is conditioned on, e.g. "37+45="
+    answer: str  # the SFT demonstration completion (what a perfect model writes, no EOS)
+    data: dict = field(default_factory=dict)  # extra columns, passed to reward fns as **row
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A verifiable task: data splits plus a verifier."""
+
+    name: str
+
+    def split(self, name: str) -> list[Example]: ...
+
+    def reward(self, completion: str, example: Example) -> float: ...
+
+    def is_correct(self, completion: str, example: Example) -> bool: ...
+
+
+class TaskDataError(ValueError):
+    """Bad task data, located by file and line: `a.jsonl:3: missing 'prompt'`."""
+
+    def __init__(self, file: str, line: int | None, reason: str):
+        self.file, self.line, self.reason = file, line, reason
+        where = f"{file}:{line}" if line is not None else file
+        super().__init__(f"{where}: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+
+_REGISTRY: dict[str, Callable[..., Task]] = {}
+
+
+def register(name: str):
+    """Class decorator: `@register("arithmetic")` makes the task buildable by name."""
+
+    def deco(factory):
+        if name in _REGISTRY:
+            raise ValueError(f"task {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def available() -> list[str]:
+    """Names of the registered tasks, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> Callable[..., Task]:
+    """The task class (factory) registered under `name`."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(available())}")
+    return _REGISTRY[name]
+
+
+def build(name: str, **kwargs: Any) -> Task:
+    """Build task `name`; an unknown keyword fails listing the task's valid ones."""
+    factory = get(name)
+    call_kwargs(factory, kwargs, what=f"task {name!r}")
+    return factory(**kwargs)
+
+
+def call_kwargs(fn: Callable, kwargs: dict, *, what: str, args: tuple = ()) -> None:
+    """Raise ValueError (not TypeError) when `fn(*args, **kwargs)` would not bind."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())[len(args) :]
+    valid = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    open_kwargs = any(p.kind == p.VAR_KEYWORD for p in params)
+    if unknown := [k for k in kwargs if k not in valid and not open_kwargs]:
+        reason = f"unexpected argument(s) {', '.join(map(repr, unknown))}"
+    else:
+        try:
+            sig.bind(*args, **kwargs)
+            return
+        except TypeError as e:
+            reason = str(e)
+    raise ValueError(f"{what}: {reason}; valid arguments: {', '.join(valid)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def make_splits(
+    task: str, rng: random.Random, sample: Callable[[random.Random], Example], n_train: int, n_test: int
+) -> dict[str, list[Example]]:
+    """Draw distinct prompts with `sample`, test split first (so it does not move with n_train).
+
+    Train and test are disjoint by prompt. Fails if the task's prompt space is too small.
+    """
+    if n_train < 0 or n_test < 0:
+        raise ValueError(f"{task}: n_train and n_test must be >= 0, got {n_train}, {n_test}")
+    seen: set[str] = set()
+    out: dict[str, list[Example]] = {"train": [], "test": []}
+    budget = 50 * (n_train + n_test) + 1000  # rejection sampling: give up on a tiny prompt space
+    for split, n in (("test", n_test), ("train", n_train)):
+        while len(out[split]) < n:
+            if budget == 0:
+                raise ValueError(
+                    f"{task}: found only {len(seen)} distinct prompts, {n_train + n_test} requested;"
+                    " lower n_train/n_test or raise the difficulty"
+                )
+            budget -= 1
+            ex = sample(rng)
+            if ex.prompt not in seen:
+                seen.add(ex.prompt)
+                out[split].append(ex)
+    return out
+
+
+def pick_split(task: str, splits: dict[str, list[Example]], name: str) -> list[Example]:
+    """`splits[name]` as a fresh list; an unknown split fails listing the valid ones."""
+    if name not in splits:
+        raise ValueError(f"{task}: unknown split {name!r}; valid splits: {', '.join(splits)}")
+    return list(splits[name])
+
+
+def to_reward(value: Any, source: str) -> float:
+    """Check that a reward is a finite real number; errors name the `source` that produced it."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward {source} returned {type(value).__name__} {value!r}, expected a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"reward {source} returned a non-finite value {value}")
+    return value

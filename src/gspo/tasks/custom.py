@@ -1,0 +1,114 @@
+"""`custom`: a user task from JSONL files and a reward function, without writing a plugin.
+
+Each line of `train_file` / `test_file` is a JSON object with a string `prompt` (non-empty) and a
+string `answer` (the SFT demonstration); every other column goes to `Example.data`. The reward is
+`module:function`, imported from the working directory or PYTHONPATH, called as
+`fn(completion, **row)` with `row` = all columns, prompt and answer included; `is_correct` is
+`reward >= correct_threshold`. Bad data raises `TaskDataError` naming file and line. This module
+does not sandbox or time out the user's function (the reward layer's business).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from gspo.tasks.base import Example, TaskDataError, pick_split, register, to_reward
+
+RESERVED = ("completion",)  # the first argument of reward functions; cannot be a column
+
+
+def load_function(spec: str) -> Callable:
+    """Import `module:function` (dotted module; attribute path after the colon) from cwd or PYTHONPATH."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function must be given as 'module:function', got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # an import error or any failure while running the module
+        raise ValueError(f"cannot import module {module_name!r} for {spec!r}: {type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {spec!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{spec!r} is not callable ({type(obj).__name__})")
+    return obj
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Example]:
+    """Read one JSONL split; errors carry `file:line: reason`."""
+    file = str(path)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise TaskDataError(file, None, "file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskDataError(file, None, f"cannot read: {e}") from None
+    examples = []
+    for i, line in enumerate(lines, start=1):
+        if line.strip():
+            examples.append(_parse_row(file, i, line))
+    if not examples:
+        raise TaskDataError(file, None, "no examples")
+    return examples
+
+
+def _parse_row(file: str, line_no: int, line: str) -> Example:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TaskDataError(file, line_no, f"bad JSON: {e.msg}") from None
+    if not isinstance(row, dict):
+        raise TaskDataError(file, line_no, f"expected a JSON object, got {type(row).__name__}")
+    for key in ("prompt", "answer"):
+        if key not in row:
+            raise TaskDataError(file, line_no, f"missing {key!r}")
+        if not isinstance(row[key], str):
+            raise TaskDataError(file, line_no, f"{key!r} must be a string, got {type(row[key]).__name__}")
+    if not row["prompt"]:
+        raise TaskDataError(file, line_no, "empty 'prompt'")
+    for key in RESERVED:
+        if key in row:
+            raise TaskDataError(file, line_no, f"column {key!r} is reserved")
+    data = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+    return Example(prompt=row["prompt"], answer=row["answer"], data=data)
+
+
+@register("custom")
+class Custom:
+    """Examples from JSONL files, scored by a user `module:function`."""
+
+    name = "custom"
+
+    def __init__(self, train_file: str, test_file: str, reward: str, correct_threshold: float = 1.0):
+        """
+        train_file, test_file: JSONL paths, one {"prompt": ..., "answer": ..., ...} object a line.
+        reward: "module:function", called as fn(completion, **row) -> float.
+        correct_threshold: a completion counts as correct when its reward is >= this.
+        """
+        self._splits = {"train": read_jsonl(train_file), "test": read_jsonl(test_file)}
+        overlap = {e.prompt for e in self._splits["train"]} & {e.prompt for e in self._splits["test"]}
+        if overlap:
+            warnings.warn(f"custom task: {len(overlap)} prompt(s) appear in both {train_file} and {test_file}")
+        self.reward_spec = reward
+        self._fn = load_function(reward)
+        self.correct_threshold = correct_threshold
+
+    def split(self, name: str) -> list[Example]:
+        return pick_split(self.name, self._splits, name)
+
+    def reward(self, completion: str, example: Example) -> float:
+        value = self._fn(completion, prompt=example.prompt, answer=example.answer, **example.data)
+        return to_reward(value, self.reward_spec)
+
+    def is_correct(self, completion: str, example: Example) -> bool:
+        return self.reward(completion, example) >= self.correct_threshold

@@ -1,0 +1,425 @@
+"""The RL loop (DESIGN.md §3): rollouts -> rewards -> group advantages -> minibatch updates.
+
+One step::
+
+    prompts[P] --generate G each (π_old)--> responses[N = P·G] --rewards--> r[N]
+      --group advantages--> Â[N] --old log-probs (recompute | rollout)--> old_logp[N, T]
+      --shuffle, M minibatches--> logp = π_θ; loss = objective(...) (+ β·KL − c·H)
+      --> backward, clip, AdamW step
+
+Plumbing only: the math lives in ``objectives``, ``advantages`` and ``logprobs``; the objective
+is looked up in the registry, never chosen by an ``if``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from gspo import objectives, tasks
+from gspo.advantages import group_advantages
+from gspo.checkpoint import load_latest, save_checkpoint
+from gspo.config import TrainConfig, dump_yaml
+from gspo.evaluation import EvalResult, evaluate
+from gspo.logprobs import response_logprobs
+from gspo.metrics import MetricsWriter
+from gspo.models import build_model, load_model
+from gspo.optim import build_optimizer, build_scheduler
+from gspo.rewards import build_rewards
+from gspo.rollout import RolloutBatch, SamplingParams, generate
+from gspo.sft import cache_key, cached_checkpoint, save_cold_start, train_sft
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_task(cfg: TrainConfig) -> tasks.Task:
+    t = cfg.task
+    if t.name == "custom":
+        return tasks.build("custom", train_file=t.train_file, test_file=t.test_file,
+                           reward=t.reward, correct_threshold=t.correct_threshold)
+    sizes = {k: v for k, v in (("n_train", t.n_train), ("n_test", t.n_test)) if v is not None}
+    return tasks.build(t.name, seed=cfg.seed, **sizes, **t.params)
+
+
+def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
+    """The policy RL starts from: model.path, or a preset cold-started by SFT (cached)."""
+    dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
+    if cfg.model.path:
+        model, tokenizer = load_model(cfg.model.path, dtype)
+    else:
+        model, tokenizer = build_model(cfg.model.preset, cfg.seed, cfg.model.overrides, dtype)
+    info: dict = {"source": cfg.model.path or f"preset:{cfg.model.preset}"}
+    if cfg.sft.enabled and cfg.sft.steps > 0:
+        key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)
+        hit = cached_checkpoint(cfg.sft.cache_dir, key)
+        if hit is not None:
+            log(f"cold start: reusing cached SFT checkpoint {hit}")
+            model, tokenizer = load_model(hit, dtype)
+            info = json.loads((hit / "sft.json").read_text())
+        else:
+            log(f"cold start: SFT for {cfg.sft.steps} steps on {cfg.task.name} demonstrations")
+            model.to(device)
+            t0 = time.time()
+            history = train_sft(model, tokenizer, task.split("train"), cfg.sft, seed=cfg.seed,
+                                progress=progress)
+            info = {**info, "sft_steps": cfg.sft.steps, "sft_final_loss": history[-1]["sft/loss"],
+                    "sft_seconds": time.time() - t0, "cache_key": key}
+            hit = save_cold_start(model, tokenizer, cfg.sft.cache_dir, key, info)
+            log(f"cold start: saved {hit}")
+        info["checkpoint"] = str(hit)
+    return model.to(device), tokenizer, info
+
+
+@dataclass
+class DataCursor:
+    """Position in the shuffled training prompts (epoch-seeded permutations): resumable."""
+    size: int
+    seed: int
+    epoch: int = 0
+    index: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def _permutation(self) -> list[int]:
+        order = list(range(self.size))
+        random.Random(self.seed * 7919 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            if not self._order:
+                self._order = self._permutation()
+            if self.index >= self.size:
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation()
+            take = min(n - len(out), self.size - self.index)
+            out += self._order[self.index:self.index + take]
+            self.index += take
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load(self, state: dict) -> None:
+        self.epoch, self.index, self._order = state["epoch"], state["index"], []
+
+
+def split_minibatches(n: int, m: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A shuffled partition of range(n) into m nearly equal index sets."""
+    return list(torch.randperm(n, generator=generator).tensor_split(m))
+
+
+class Trainer:
+    """Runs ``cfg.train.steps`` RL steps and writes everything to ``cfg.run.dir``."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, log=None):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.progress = cfg.run.progress and sys.stderr.isatty()
+        self.resume = resume
+        self.spec = objectives.spec(cfg.objective.name)
+        self.objective = objectives.get(cfg.objective.name)
+        self.task = build_task(cfg)
+        self.train_set, self.test_set = self.task.split("train"), self.task.split("test")
+        if cfg.eval.n:
+            self.test_set = self.test_set[:cfg.eval.n]
+        self.rewards = build_rewards([r.model_dump() for r in cfg.rewards], self.task)
+        self.sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
+                                       cfg.rollout.top_p, cfg.rollout.top_k)
+
+    # ----------------------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, self.run_dir / "config.yaml")
+        self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
+                                                                    self.progress)
+        self.device = next(self.model.parameters()).device
+        self.ref_model = None
+        if cfg.train.beta > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        total = cfg.train.steps * cfg.train.minibatches
+        self.optimizer = build_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train.schedule,
+                                         cfg.train.warmup_steps, total)
+        self.cursor = DataCursor(len(self.train_set), cfg.seed)
+        self.start_step, self.history, self.wall_before = 0, {}, 0.0
+        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard)
+        if self.resume:
+            self._restore()
+
+    def _restore(self) -> None:
+        loaded = load_latest(self.run_dir, warn=self.log)
+        if loaded is None:
+            self.log(f"resume: no usable checkpoint in {self.run_dir}; starting from scratch")
+            return
+        weights, _ = load_model(loaded.path, DTYPES[self.cfg.model.dtype])
+        self.model.load_state_dict(weights.state_dict())
+        self.optimizer.load_state_dict(loaded.optimizer)
+        self.scheduler.load_state_dict(loaded.scheduler)
+        state = loaded.state
+        self.cursor.load(state["cursor"])
+        self.start_step = state["step"]
+        self.history = state.get("history", {})
+        self.wall_before = state.get("wall_s", 0.0)
+        self.metrics.truncate_after(self.start_step)
+        self.log(f"resume: restored {loaded.path} (step {self.start_step})")
+
+    # ----------------------------------------------------------------------------- one step
+    def collect(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict]:
+        """Generate and score P groups; with dynamic sampling, drop zero-variance groups and refill."""
+        cfg, G = self.cfg, self.cfg.rollout.group_size
+        P = cfg.rollout.prompts_per_step
+        rounds = 1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)
+        kept_batches, kept_rewards, extra, first_stats = [], [], {}, None
+        for rnd in range(rounds):
+            examples = [self.train_set[i] for i in self.cursor.take(P)]
+            t0 = time.perf_counter()
+            batch = generate(self.model, self.tokenizer, examples, self.sampling, group_size=G,
+                             with_logprobs=cfg.train.old_logprobs == "rollout",
+                             seed=cfg.seed * 1_000_003 + step * 101 + rnd)
+            extra["time/generate_s"] = extra.get("time/generate_s", 0.0) + time.perf_counter() - t0
+            t0 = time.perf_counter()
+            result = self.rewards(batch.completions, batch.examples)
+            extra["time/reward_s"] = extra.get("time/reward_s", 0.0) + time.perf_counter() - t0
+            rewards = result.total.to(self.device)                         # [N]
+            if first_stats is None:
+                first_stats = self._reward_stats(batch, rewards, result.per_source)
+            if not cfg.train.dynamic_sampling:
+                return batch, rewards, {**first_stats, **extra}
+            keep = rewards.view(-1, G).std(-1) > 0                          # [P]
+            rows = keep.repeat_interleave(G).nonzero().squeeze(-1)
+            kept_batches.append(batch.select(rows.cpu()))
+            kept_rewards.append(rewards[rows])
+            if sum(len(r) for r in kept_rewards) >= P * G:
+                break
+        batch = _concat(kept_batches, self.tokenizer.pad_token_id, P * G) if kept_batches else None
+        rewards = torch.cat(kept_rewards)[:P * G]
+        extra["reward/refill_rounds"] = rnd
+        if batch is None or len(rewards) == 0:
+            return None, rewards, {**first_stats, **extra}
+        return batch, rewards, {**first_stats, **extra}
+
+    def _reward_stats(self, batch: RolloutBatch, rewards: torch.Tensor, per_source: dict) -> dict:
+        G = self.cfg.rollout.group_size
+        correct = [self.task.is_correct(c, ex) for c, ex in zip(batch.completions, batch.examples)]
+        stats = {
+            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+            "reward/accuracy": sum(correct) / len(correct),
+            "reward/frac_zero_std_groups": (rewards.view(-1, G).std(-1) == 0).float().mean().item(),
+            "response/length_mean": batch.lengths.float().mean().item(),
+            "response/length_max": batch.lengths.max().item(),
+            "response/truncated_frac": batch.truncated.float().mean().item(),
+        }
+        if len(per_source) > 1:
+            stats.update({f"reward/{k}": v.mean().item() for k, v in per_source.items()})
+        return stats
+
+    def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool):
+        return response_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                 temperature=self.cfg.rollout.temperature,
+                                 chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
+                                 entropy_grad=self.cfg.train.entropy_coef > 0)
+
+    @torch.no_grad()
+    def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """log π_old on the rollout batch: recomputed by the trainer, or the generator's own."""
+        if self.cfg.train.old_logprobs == "rollout":
+            return batch.rollout_logp
+        return self._logprobs(self.model, batch, with_entropy=False).logp
+
+    def objective_kwargs(self, T: int) -> dict:
+        o = self.cfg.objective
+        kwargs = {k: v for k, v in (("eps_low", o.eps_low), ("eps_high", o.eps_high),
+                                    ("aggregation", o.aggregation)) if v is not None}
+        return {**kwargs, **o.params, "token_sum_norm": float(self.cfg.rollout.max_new_tokens)}
+
+    def token_aggregation(self) -> str:
+        """How per-token extras (KL, entropy) are reduced: like the objective, seq-mean -> token mean."""
+        mode = self.cfg.objective.aggregation or self.spec.defaults.get("aggregation", "seq-mean")
+        return "seq-mean-token-mean" if mode == "seq-mean" else mode
+
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor, old_logp: torch.Tensor,
+               step: int) -> dict:
+        """M minibatch updates on one rollout batch; returns metrics averaged over minibatches."""
+        cfg = self.cfg
+        mask = batch.response_mask
+        if cfg.train.mask_truncated:
+            mask = mask * (~batch.truncated).float().unsqueeze(-1)              # [N, T]
+        ref_logp = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logp = self._logprobs(self.ref_model, batch, with_entropy=False).logp
+        gen = torch.Generator().manual_seed(cfg.seed * 7 + step)
+        kwargs, agg = self.objective_kwargs(mask.shape[1]), self.token_aggregation()
+        collected: dict[str, list[torch.Tensor]] = {}
+        self.model.train()
+        for idx in split_minibatches(len(advantages), cfg.train.minibatches, gen):
+            idx = idx.to(self.device)
+            mb, mb_mask = batch.select(idx), mask[idx]
+            out = self._logprobs(self.model, mb, with_entropy=True)
+            loss, stats = self.objective(out.logp, old_logp[idx], advantages[idx], mb_mask, **kwargs)
+            stats = {f"policy/{k}": v for k, v in stats.items()}
+            stats["policy/loss"] = loss.detach()
+            stats["policy/entropy"] = objectives.aggregate(out.entropy.detach(), mb_mask, agg)
+            total = loss
+            if ref_logp is not None:
+                kl = objectives.aggregate(objectives.kl_k3(out.logp, ref_logp[idx]), mb_mask, agg)
+                total = total + cfg.train.beta * kl
+                stats["policy/kl_ref"] = kl.detach()
+            if cfg.train.entropy_coef > 0:
+                total = total - cfg.train.entropy_coef * objectives.aggregate(out.entropy, mb_mask, agg)
+            self.optimizer.zero_grad(set_to_none=True)
+            total.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
+            stats["optim/grad_norm"] = grad_norm.detach()
+            self.optimizer.step()
+            self.scheduler.step()
+            for k, v in stats.items():
+                collected.setdefault(k, []).append(v.float())
+        # one host sync per step: stack every metric, then move to Python floats together
+        keys = list(collected)
+        values = torch.stack([torch.stack(collected[k]).mean() for k in keys]).tolist()
+        metrics = dict(zip(keys, values))
+        metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def step(self, step: int) -> dict:
+        t_start = time.perf_counter()
+        batch, rewards, metrics = self.collect(step)
+        if batch is None:
+            return {**metrics, "step": step, "train/skipped": 1.0}
+        G = self.cfg.rollout.group_size
+        advantages = group_advantages(rewards, G, scale=self.cfg.advantage.scale,
+                                      eps=self.cfg.advantage.eps)                # [N]
+        t0 = time.perf_counter()
+        old_logp = self.old_logprobs(batch)                                       # [N, T]
+        metrics["time/old_logprobs_s"] = time.perf_counter() - t0
+        if batch.rollout_logp is not None:
+            metrics.update(self._mismatch(batch, old_logp))
+        t0 = time.perf_counter()
+        metrics.update(self.update(batch, advantages, old_logp, step))
+        metrics["time/train_s"] = time.perf_counter() - t0
+        metrics["time/step_s"] = time.perf_counter() - t_start
+        return {"step": step + 1, **metrics}
+
+    def _mismatch(self, batch: RolloutBatch, old_logp: torch.Tensor) -> dict:
+        """Generator vs trainer log-probs (only when the generator's exist)."""
+        if self.cfg.train.old_logprobs == "rollout":
+            with torch.no_grad():
+                trainer_logp = self._logprobs(self.model, batch, with_entropy=False).logp
+        else:
+            trainer_logp = old_logp
+        m = batch.response_mask
+        diff = (batch.rollout_logp - trainer_logp).abs() * m
+        seq = ((batch.rollout_logp - trainer_logp) * m).sum(-1) / m.sum(-1).clamp(min=1)
+        return {"mismatch/token_abs_mean": (diff.sum() / m.sum()).item(),
+                "mismatch/token_abs_max": diff.max().item(),
+                "mismatch/seq_logratio_abs_mean": seq.abs().mean().item()}
+
+    # ----------------------------------------------------------------------------- eval, save
+    def evaluate(self) -> EvalResult:
+        e = self.cfg.eval
+        return evaluate(self.model, self.tokenizer, self.task, self.test_set,
+                        max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
+                        temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed)
+
+    def save(self, step: int, wall: float) -> Path:
+        state = {"cursor": self.cursor.state(), "history": self.history, "wall_s": wall,
+                 "objective": self.cfg.objective.name, "init": self.init_info}
+        return save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.optimizer,
+                               self.scheduler, state, keep=self.cfg.run.keep_checkpoints)
+
+    # ----------------------------------------------------------------------------- the loop
+    def run(self) -> dict:
+        self.setup()
+        cfg, t_start = self.cfg, time.time()
+        if "eval_before" not in self.history:
+            result = self.evaluate()
+            self.history["eval_before"] = result.as_dict()
+            self.metrics.write({"step": 0, **result.as_metrics()})
+            self.log(f"held-out before RL: accuracy {result.accuracy:.3f}  pass@1 {result.pass1:.3f}")
+        bar = tqdm(range(self.start_step, cfg.train.steps), desc=f"{cfg.objective.name}",
+                   initial=self.start_step, total=cfg.train.steps, disable=not self.progress,
+                   dynamic_ncols=True)
+        last_acc = self.history["eval_before"]["accuracy"]
+        for step in bar:
+            row = self.step(step)
+            done = row["step"]
+            if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or done == cfg.train.steps:
+                result = self.evaluate()
+                row.update(result.as_metrics())
+                last_acc = result.accuracy
+                self.history["eval_last"] = result.as_dict()
+            self.metrics.write(row)
+            bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.2f}",
+                            acc=f"{last_acc:.2f}",
+                            clip=f"{row.get('policy/clip_frac_tokens', float('nan')):.3f}")
+            if not self.progress and (done % 10 == 0 or done == cfg.train.steps):
+                self.log(f"step {done}/{cfg.train.steps} reward {row.get('reward/mean', 0):.3f} "
+                         f"held-out acc {last_acc:.3f} clip {row.get('policy/clip_frac_tokens', 0):.4f}")
+            if cfg.run.save_every and done % cfg.run.save_every == 0 and done < cfg.train.steps:
+                self.save(done, self.wall_before + time.time() - t_start)
+        wall = self.wall_before + time.time() - t_start
+        final = self.save(cfg.train.steps, wall)
+        self.metrics.close()
+        return self.finish(final, wall)
+
+    def finish(self, final: Path, wall: float) -> dict:
+        after = self.history.get("eval_last") or self.history["eval_before"]
+        summary = {
+            "objective": self.cfg.objective.name, "task": self.cfg.task.name, "seed": self.cfg.seed,
+            "steps": self.cfg.train.steps, "wall_s": round(wall, 1),
+            "eval_before": self.history["eval_before"], "eval_after": after,
+            "accuracy_gain": after["accuracy"] - self.history["eval_before"]["accuracy"],
+            "cold_start": self.init_info, "final_checkpoint": str(final),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+
+def _concat(batches: list[RolloutBatch], pad_id: int, limit: int) -> RolloutBatch:
+    """Stack rollout batches of different prompt/response widths (re-padding both sides)."""
+    Lp = max(b.input_ids.shape[1] - b.response_mask.shape[1] for b in batches)
+    T = max(b.response_mask.shape[1] for b in batches)
+    parts = {"input_ids": [], "attention_mask": [], "response_mask": []}
+    for b in batches:
+        t = b.response_mask.shape[1]
+        lp = b.input_ids.shape[1] - t
+        pad = (Lp - lp, T - t)
+        parts["input_ids"].append(_pad2(b.input_ids, lp, pad, pad_id))
+        parts["attention_mask"].append(_pad2(b.attention_mask, lp, pad, 0))
+        parts["response_mask"].append(torch.nn.functional.pad(b.response_mask, (0, pad[1])))
+    out = RolloutBatch(
+        input_ids=torch.cat(parts["input_ids"])[:limit],
+        attention_mask=torch.cat(parts["attention_mask"])[:limit],
+        response_mask=torch.cat(parts["response_mask"])[:limit],
+        truncated=torch.cat([b.truncated for b in batches])[:limit],
+        completions=sum((b.completions for b in batches), [])[:limit],
+        examples=sum((b.examples for b in batches), [])[:limit],
+        rollout_logp=None if batches[0].rollout_logp is None else torch.cat(
+            [torch.nn.functional.pad(b.rollout_logp, (0, T - b.rollout_logp.shape[1])) for b in batches])[:limit],
+    )
+    return out
+
+
+def _pad2(x: torch.Tensor, prompt_len: int, pad: tuple[int, int], value: int) -> torch.Tensor:
+    """Left-pad the prompt part and right-pad the response part of [N, L]."""
+    F = torch.nn.functional
+    return torch.cat([F.pad(x[:, :prompt_len], (pad[0], 0), value=value),
+                      F.pad(x[:, prompt_len:], (0, pad[1]), value=value)], dim=1)

@@ -1,0 +1,240 @@
+"""Chunked response log-probs against the full-logits reference, generate, and unpadded rows."""
+
+import pytest
+import torch
+import transformers
+
+from gspo.logprobs import naive_response_logprobs, position_ids_from_mask, response_logprobs
+
+V, PAD = 97, 0
+PROMPT_LENS = [5, 3, 7]  # left-padded to P = 7
+RESPONSE_LENS = [6, 2, 4]  # right-padded to T = 6 (each includes its EOS)
+
+
+def _tiny_qwen3(seed: int = 0) -> transformers.PreTrainedModel:
+    config = transformers.Qwen3Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+    )
+    torch.manual_seed(seed)
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
+def _tiny_gpt2(seed: int = 0) -> transformers.PreTrainedModel:
+    """Absolute position embeddings: the model where left-padding position ids change the numbers."""
+    config = transformers.GPT2Config(
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2
+    )
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny_qwen3()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gpt2"])
+def any_model(request):
+    """RoPE (Qwen3) is shift-invariant under left padding; GPT-2's learned positions are not."""
+    return _tiny_qwen3() if request.param == "qwen3" else _tiny_gpt2()
+
+
+def _batch(seed: int = 1):
+    """input_ids, attention_mask [N, P+T] and response_mask [N, T] in the rollout layout."""
+    g = torch.Generator().manual_seed(seed)
+    P, T = max(PROMPT_LENS), max(RESPONSE_LENS)
+    ids = torch.full((len(PROMPT_LENS), P + T), PAD)
+    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
+        ids[i, P - p : P + r] = torch.randint(1, V, (p + r,), generator=g)
+    attention_mask = (ids != PAD).long()  # [N, L]
+    response_mask = attention_mask[:, P:].clone()  # [N, T]
+    return ids, attention_mask, response_mask
+
+
+def _close(a, b, atol=1e-5):
+    torch.testing.assert_close(a, b, atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 5, 7, 12, 1024])  # K = 12 tokens: 5 and 7 leave a remainder
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_equals_naive(any_model, chunk_size, temperature):
+    model = any_model
+    ids, am, rm = _batch()
+    with torch.no_grad():
+        fast = response_logprobs(model, ids, am, rm, temperature=temperature, chunk_size=chunk_size)
+        ref = naive_response_logprobs(model, ids, am, rm, temperature=temperature)
+    _close(fast.logp, ref.logp)
+    _close(fast.entropy, ref.entropy)
+    assert fast.logp.dtype == fast.entropy.dtype == torch.float32
+    assert fast.logp.shape == fast.entropy.shape == rm.shape
+
+
+def test_masked_positions_are_exactly_zero(model):
+    ids, am, rm = _batch()
+    with torch.no_grad():
+        out = response_logprobs(model, ids, am, rm, chunk_size=5)
+    off = rm == 0
+    assert off.any() and (out.logp[off] == 0).all() and (out.entropy[off] == 0).all()
+    assert (out.logp[~off] < 0).all() and (out.entropy[~off] > 0).all()
+
+
+def test_temperature_is_applied(model):
+    """log π_τ = log_softmax(logits / τ), from a plain forward: τ = 0.5 differs from τ = 1."""
+    ids, am, rm = _batch()
+    P, T = ids.shape[1] - rm.shape[1], rm.shape[1]
+    with torch.no_grad():
+        logits = model(ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits
+        hot = response_logprobs(model, ids, am, rm, temperature=0.5, chunk_size=4).logp
+        cold = response_logprobs(model, ids, am, rm, temperature=1.0, chunk_size=4).logp
+    expected = torch.log_softmax(logits[:, P - 1 : P + T - 1] / 0.5, -1).gather(-1, ids[:, P:, None])[..., 0]
+    _close(hot, expected * rm)
+    assert not torch.allclose(hot, cold)
+
+
+def test_entropy_is_minus_sum_p_log_p(model):
+    """H = lse(z) − Σ softmax(z)·z equals −Σ p log p of π_τ (computed here in float64)."""
+    ids, am, rm = _batch()
+    P, T = ids.shape[1] - rm.shape[1], rm.shape[1]
+    with torch.no_grad():
+        logits = model(ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits
+        got = response_logprobs(model, ids, am, rm, temperature=0.6, chunk_size=5).entropy
+    logp = torch.log_softmax(logits[:, P - 1 : P + T - 1].double() / 0.6, -1)  # [N, T, V]
+    expected = -(logp.exp() * logp).sum(-1) * rm  # [N, T]
+    _close(got, expected.float())
+
+
+def test_without_entropy(model):
+    ids, am, rm = _batch()
+    with torch.no_grad():
+        out = response_logprobs(model, ids, am, rm, with_entropy=False, chunk_size=5)
+        ref = naive_response_logprobs(model, ids, am, rm, with_entropy=False)
+    assert out.entropy is None and ref.entropy is None
+    _close(out.logp, ref.logp)
+
+
+def test_empty_response_mask(model):
+    ids, am, rm = _batch()
+    out = response_logprobs(model, ids, am, torch.zeros_like(rm))
+    assert (out.logp == 0).all() and (out.entropy == 0).all()
+
+
+def _param_grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 1024])
+def test_gradients_equal_naive(model, chunk_size):
+    """d/dθ Σ w·logp (+ Σ u·H with entropy_grad) through checkpointed chunks = the full-logits gradient."""
+    ids, am, rm = _batch()
+    g = torch.Generator().manual_seed(2)
+    w, u = torch.randn(rm.shape, generator=g), torch.randn(rm.shape, generator=g)  # [N, T]
+
+    def loss(fn, **kw):
+        out = fn(model, ids, am, rm, temperature=0.8, entropy_grad=True, **kw)
+        return (out.logp * w).sum() + (out.entropy * u).sum()
+
+    fast = _param_grads(model, loss(response_logprobs, chunk_size=chunk_size))
+    ref = _param_grads(model, loss(naive_response_logprobs))
+    assert fast.keys() == ref.keys() and "lm_head.weight" in fast
+    for name in ref:
+        _close(fast[name], ref[name], atol=1e-5)
+
+
+def test_entropy_detached_by_default(model):
+    ids, am, rm = _batch()
+    out = response_logprobs(model, ids, am, rm, chunk_size=5)
+    assert out.logp.requires_grad and not out.entropy.requires_grad
+    out = response_logprobs(model, ids, am, rm, chunk_size=5, entropy_grad=True)
+    assert out.entropy.requires_grad
+
+
+def test_matches_generate_with_left_padding(any_model):
+    """Greedy generate's raw logits for the tokens it produced: position ids follow the left padding."""
+    model = any_model
+    ids, am, _ = _batch()
+    P, T = max(PROMPT_LENS), 5
+    with torch.no_grad():
+        gen = model.generate(
+            input_ids=ids[:, :P], attention_mask=am[:, :P], max_new_tokens=T, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=PAD, eos_token_id=None,
+        )
+        seq = gen.sequences  # [N, P+T]
+        expected = torch.log_softmax(torch.stack(gen.logits, 1).float() / 0.9, -1)  # [N, T, V]
+        expected = expected.gather(-1, seq[:, P:, None])[..., 0]  # [N, T]
+        rm = torch.ones(len(PROMPT_LENS), T, dtype=torch.long)
+        rm[1, 3:] = 0  # pretend row 1 stopped early: trailing tokens masked out
+        full_am = torch.cat([am[:, :P], rm], 1)  # [N, P+T]
+        got = response_logprobs(model, seq, full_am, rm, temperature=0.9, chunk_size=4).logp
+    _close(got, expected * rm, atol=1e-5)
+
+
+def test_matches_unpadded_single_rows(any_model):
+    """Each row alone, without any padding (position ids 0..len-1), gives the same log-probs."""
+    model = any_model
+    ids, am, rm = _batch()
+    P = ids.shape[1] - rm.shape[1]
+    with torch.no_grad():
+        batched = response_logprobs(model, ids, am, rm, chunk_size=3)
+        for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
+            row = ids[i : i + 1, P - p : P + r]  # [1, p+r]
+            out = response_logprobs(model, row, torch.ones_like(row), torch.ones(1, r, dtype=torch.long))
+            _close(batched.logp[i, :r], out.logp[0])
+            _close(batched.entropy[i, :r], out.entropy[0])
+
+
+def _tiny(config_cls, model_cls, **extra):
+    config = config_cls(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **extra,
+    )
+    torch.manual_seed(0)
+    return model_cls(config).eval()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: _tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, final_logit_softcapping=0.5),
+        lambda: _tiny(transformers.CohereConfig, transformers.CohereForCausalLM, logit_scale=3.0),
+    ],
+    ids=["gemma2-softcap", "cohere-logit-scale"],
+)
+def test_head_transforms(build):
+    model = build()
+    ids, am, rm = _batch()
+    with torch.no_grad():
+        fast = response_logprobs(model, ids, am, rm, temperature=0.7, chunk_size=5)
+        ref = naive_response_logprobs(model, ids, am, rm, temperature=0.7)
+    _close(fast.logp, ref.logp)
+    _close(fast.entropy, ref.entropy)
+
+
+def test_rejects_bad_layout(model):
+    ids, am, rm = _batch()
+    with pytest.raises(ValueError):
+        response_logprobs(model, ids[:, :4], am[:, :4], rm)
+
+
+def _saved_shapes(fn):
+    """Shapes of every tensor autograd saves for backward while `fn` runs (outside checkpoints)."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return shapes
+
+
+def test_no_vocab_sized_activation_kept_for_backward(model):
+    """With grad on, chunk logits are recomputed in backward: nothing [.., V] is saved, unlike naive."""
+    ids, am, rm = _batch()
+    fast = _saved_shapes(lambda: response_logprobs(model, ids, am, rm, chunk_size=5, entropy_grad=True))
+    ref = _saved_shapes(lambda: naive_response_logprobs(model, ids, am, rm, entropy_grad=True))
+    assert not [s for s in fast if s and s[-1] == V]
+    assert [s for s in ref if s and s[-1] == V]
