@@ -129,7 +129,8 @@ def main() -> int:
     naive_logits = (a.prompt_len + a.response_len) * a.vocab * 4 / 2**20
     mode = "forward + backward" if a.backward else "forward, no grad"
     print(f"V={a.vocab:,} T={a.response_len:,} prompt={a.prompt_len} hidden={a.hidden} layers={a.layers} "
-          f"chunk={a.chunk_size} device={a.device} ({mode}); one [1, L, V] fp32 logits = {naive_logits:,.0f} MiB")
+          f"chunk={a.chunk_size} device={a.device} ({mode})")
+    print(f"one [1, L, V] float32 logits tensor = {naive_logits:,.0f} MiB")
     print(f"{'variant':<8} {'peak MiB':>10} {'seconds':>8}")
     for v, s in stats.items():
         print(f"{v:<8} {s['peak'] / 2**20:>10,.0f} {s['seconds']:>8.2f}")

@@ -143,10 +143,11 @@ def _unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _check_layout(input_ids: torch.Tensor, response_mask: torch.Tensor) -> int:
-    N, L = input_ids.shape
-    T = response_mask.shape[1]
-    if response_mask.shape[0] != N or T >= L:
-        raise ValueError(f"need response_mask [N, T] with T < L; got input_ids {input_ids.shape}, mask {response_mask.shape}")
+    """T, after checking that the response fits behind at least one prompt column."""
+    (N, L), (n, T) = input_ids.shape, response_mask.shape
+    if n != N or T >= L:
+        shapes = f"response_mask {tuple(response_mask.shape)}, input_ids {(N, L)}"
+        raise ValueError(f"need response_mask [N, T] with T < L; got {shapes}")
     return T
 
 
@@ -215,6 +216,6 @@ def naive_response_logprobs(
     if not with_entropy:
         return TokenLogProbs(logp=logp, entropy=None)
     z = z if entropy_grad else z.detach()
-    entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)  # [N, T]  H = lse(z) − Σ softmax(z)·z
+    entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)  # [N, T]  lse − Σ p·z
     entropy = torch.where(mask, entropy, 0.0)  # [N, T]
     return TokenLogProbs(logp=logp, entropy=entropy)
