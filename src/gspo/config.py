@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +34,8 @@ class RunConfig(Section):
     """Checkpoint every this many RL steps (0: only at the end)."""
     eval_every: int = Field(25, ge=0)
     """Held-out evaluation every this many RL steps (0: only before and after training)."""
+    overwrite: bool = False
+    """Replace a previous run found in run.dir (otherwise refuse; --resume continues it)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many step checkpoints to keep (the final one is always kept)."""
     tensorboard: bool = True
@@ -168,6 +171,13 @@ class TrainLoopConfig(Section):
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
 
 
+class MoEConfig(Section):
+    routing_replay: Literal["none", "old", "rollout"] = "none"
+    """Force π_old's experts when computing π_θ: none | old (captured in the old-log-prob pass, paper's R2) | rollout (captured at generation, R3)."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router load-balancing loss (0: off)."""
+
+
 class EvalConfig(Section):
     n: int | None = Field(None, ge=1)
     """Held-out prompts to evaluate (None: the whole test split)."""
@@ -193,6 +203,8 @@ class TrainConfig(Section):
     advantage: AdvantageConfig = AdvantageConfig()
     train: TrainLoopConfig = TrainLoopConfig()
     eval: EvalConfig = EvalConfig()
+    moe: MoEConfig = MoEConfig()
+    """Mixture-of-Experts switches (only for MoE models, e.g. model.preset=tiny-moe)."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -201,6 +213,9 @@ class TrainConfig(Section):
             raise ValueError(
                 f"train.minibatches={self.train.minibatches} must divide the batch "
                 f"rollout.prompts_per_step*group_size={n}")
+        if self.moe.routing_replay == "old" and self.train.old_logprobs != "recompute":
+            raise ValueError("moe.routing_replay=old captures experts in the recomputed old-log-prob "
+                             "pass: it needs train.old_logprobs=recompute (or use routing_replay=rollout)")
         if self.task.name == "custom":
             for key in ("train_file", "test_file", "reward"):
                 if getattr(self.task, key) is None:
@@ -227,6 +242,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     return key.split("."), value
 
 
@@ -258,8 +278,12 @@ def read_yaml(path: str | Path) -> dict:
 def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
     """Valid keys at the location of an error (for the "did you mean")."""
     for part in loc[:-1]:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        ann = getattr(field, "annotation", None)
+        if isinstance(part, int):  # an index into a list section, e.g. rewards[0]
+            continue
+        ann = getattr(model.model_fields.get(part), "annotation", None)
+        args = typing.get_args(ann)
+        if typing.get_origin(ann) is list and args:
+            ann = args[0]
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return []
         model = ann

@@ -50,7 +50,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
-        padding_side="left", model_max_length=4096,
+        padding_side="left", model_max_length=4096, split_special_tokens=True,
     )
 
 
@@ -58,7 +58,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 # Presets: name -> config builder. Sizes are chosen so a step of RL runs in about a second on a
 # 2-core CPU; the MoE preset keeps the dense preset's depth and width so they compare fairly.
 
-PRESETS: dict[str, Callable[[int], PretrainedConfig]] = {}
+PRESETS: dict[str, Callable[..., PretrainedConfig]] = {}
 
 
 def register_preset(name: str):
@@ -77,19 +77,19 @@ def _common(vocab_size: int) -> dict:
 
 
 @register_preset("tiny-dense")
-def tiny_dense(vocab_size: int) -> PretrainedConfig:
+def tiny_dense(vocab_size: int, **overrides) -> PretrainedConfig:
     """Qwen3 architecture, 4 layers x 128 wide, ~0.8M parameters."""
-    return Qwen3Config(**_common(vocab_size), intermediate_size=384)
+    return Qwen3Config(**{**_common(vocab_size), "intermediate_size": 384, **overrides})
 
 
 @register_preset("tiny-moe")
-def tiny_moe(vocab_size: int) -> PretrainedConfig:
+def tiny_moe(vocab_size: int, **overrides) -> PretrainedConfig:
     """Qwen3-MoE architecture, 4 layers x 128 wide, 8 experts, top-2 routing, every layer MoE."""
-    return Qwen3MoeConfig(
-        **_common(vocab_size), intermediate_size=384, moe_intermediate_size=96, num_experts=8,
-        num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
-        router_aux_loss_coef=0.0, output_router_logits=False,
-    )
+    return Qwen3MoeConfig(**{
+        **_common(vocab_size), "intermediate_size": 384, "moe_intermediate_size": 96,
+        "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+        "norm_topk_prob": True, "router_aux_loss_coef": 0.0, "output_router_logits": False,
+        **overrides})
 
 
 def available_presets() -> list[str]:
@@ -100,12 +100,11 @@ def preset_config(name: str, vocab_size: int, overrides: dict | None = None) -> 
     """The transformers config of preset ``name``, with ``overrides`` applied on top."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(available_presets())}")
-    config = PRESETS[name](vocab_size)
-    for key, value in (overrides or {}).items():
-        if not hasattr(config, key):
-            raise ValueError(f"model.overrides: {name} config has no field {key!r}")
-        setattr(config, key, value)
-    return config
+    known = PRESETS[name](vocab_size)
+    unknown = sorted(set(overrides or {}) - set(known.to_dict()))
+    if unknown:
+        raise ValueError(f"model.overrides: the {name} config has no field {', '.join(map(repr, unknown))}")
+    return PRESETS[name](vocab_size, **(overrides or {}))
 
 
 def build_model(preset: str, seed: int, overrides: dict | None = None,

@@ -121,12 +121,16 @@ def decode(tokenizer: PreTrainedTokenizerBase, response_ids: torch.Tensor, mask:
 
 def demonstration_batch(tokenizer: PreTrainedTokenizerBase, examples: list[Example], device,
                         max_new_tokens: int | None = None) -> RolloutBatch:
-    """Prompt + demonstration answer + EOS in rollout layout (for SFT and tests)."""
+    """Prompt + demonstration answer + EOS in rollout layout (for SFT and tests).
+
+    With ``max_new_tokens`` a longer demonstration is cut like a generation would be: its EOS
+    is lost and the row is marked truncated.
+    """
     enc = encode_prompts(tokenizer, [ex.prompt for ex in examples], device)
-    answers = [tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-               for ex in examples]
-    if max_new_tokens is not None:
-        answers = [a[:max_new_tokens] for a in answers]
+    full = [tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            for ex in examples]
+    limit = max_new_tokens or max(len(a) for a in full)
+    answers = [a[:limit] for a in full]
     width = max(len(a) for a in answers)
     ids = torch.full((len(examples), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(examples), width)
@@ -134,9 +138,10 @@ def demonstration_batch(tokenizer: PreTrainedTokenizerBase, examples: list[Examp
         ids[i, :len(a)] = torch.tensor(a)
         mask[i, :len(a)] = 1.0
     ids, mask = ids.to(device), mask.to(device)
+    truncated = torch.tensor([len(a) > limit for a in full], device=device)
     return RolloutBatch(
         input_ids=torch.cat([enc["input_ids"], ids], dim=1),
         attention_mask=torch.cat([enc["attention_mask"], mask.long()], dim=1),
-        response_mask=mask, truncated=torch.zeros(len(examples), dtype=torch.bool, device=device),
-        completions=[ex.answer for ex in examples], examples=list(examples),
+        response_mask=mask, truncated=truncated,
+        completions=decode(tokenizer, ids, mask), examples=list(examples),
     )

@@ -13,9 +13,11 @@ is looked up in the registry, never chosen by an ``if``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gspo import objectives, tasks
+from gspo import moe, objectives, tasks
 from gspo.advantages import group_advantages
 from gspo.checkpoint import load_latest, save_checkpoint
 from gspo.config import TrainConfig, dump_yaml
@@ -120,7 +122,7 @@ class DataCursor:
 
 def split_minibatches(n: int, m: int, generator: torch.Generator) -> list[torch.Tensor]:
     """A shuffled partition of range(n) into m nearly equal index sets."""
-    return list(torch.randperm(n, generator=generator).tensor_split(m))
+    return list(torch.randperm(n, generator=generator).tensor_split(min(m, n)))
 
 
 class Trainer:
@@ -145,11 +147,14 @@ class Trainer:
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._claim_run_dir()
         dump_yaml(cfg, self.run_dir / "config.yaml")
         self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
                                                                     self.progress)
         self.device = next(self.model.parameters()).device
+        self.is_moe = moe.supports_moe(self.model)
+        if cfg.moe.routing_replay != "none" or cfg.moe.aux_loss_coef > 0:
+            moe.moe_layers(self.model)  # raises a clear ValueError for a model it cannot route
         self.ref_model = None
         if cfg.train.beta > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -162,6 +167,20 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard)
         if self.resume:
             self._restore()
+
+    def _claim_run_dir(self) -> None:
+        """A fresh run never mixes with an old one: refuse, or clear it when run.overwrite is set."""
+        previous = [self.run_dir / n for n in ("metrics.jsonl", "checkpoints", "summary.json", "tb")]
+        previous = [p for p in previous if p.exists()]
+        if previous and not self.resume:
+            if not self.cfg.run.overwrite:
+                raise FileExistsError(
+                    f"run.dir {self.run_dir} already holds a run: use --resume {self.run_dir} to "
+                    f"continue it, run.overwrite=true to replace it, or another run.dir")
+            self.log(f"run.overwrite: replacing the previous run in {self.run_dir}")
+            for p in previous:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def _restore(self) -> None:
         loaded = load_latest(self.run_dir, warn=self.log)
@@ -190,9 +209,7 @@ class Trainer:
         for rnd in range(rounds):
             examples = [self.train_set[i] for i in self.cursor.take(P)]
             t0 = time.perf_counter()
-            batch = generate(self.model, self.tokenizer, examples, self.sampling, group_size=G,
-                             with_logprobs=cfg.train.old_logprobs == "rollout",
-                             seed=cfg.seed * 1_000_003 + step * 101 + rnd)
+            batch = self.generate(examples, seed=cfg.seed * 1_000_003 + step * 101 + rnd)
             extra["time/generate_s"] = extra.get("time/generate_s", 0.0) + time.perf_counter() - t0
             t0 = time.perf_counter()
             result = self.rewards(batch.completions, batch.examples)
@@ -214,6 +231,25 @@ class Trainer:
         if batch is None or len(rewards) == 0:
             return None, rewards, {**first_stats, **extra}
         return batch, rewards, {**first_stats, **extra}
+
+    def generate(self, examples, seed: int) -> RolloutBatch:
+        """Sample G responses per example; under rollout routing replay, keep the experts used."""
+        capture = self.cfg.moe.routing_replay == "rollout"
+        with moe.capture_routing(self.model) if capture else contextlib.nullcontext() as cap:
+            batch = generate(self.model, self.tokenizer, examples, self.sampling,
+                             group_size=self.cfg.rollout.group_size,
+                             with_logprobs=self.cfg.train.old_logprobs == "rollout", seed=seed)
+        if capture:
+            batch.extras["routing"] = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
+        return batch
+
+    def routing_context(self, batch: RolloutBatch, keep_logits: bool = False):
+        """Replay the batch's stored experts when configured, else just capture (MoE) or nothing."""
+        if self.cfg.moe.routing_replay != "none" and "routing" in batch.extras:
+            return moe.replay_routing(self.model, batch.extras["routing"], keep_logits=keep_logits)
+        if self.is_moe:
+            return moe.capture_routing(self.model, keep_logits=keep_logits)
+        return contextlib.nullcontext()
 
     def _reward_stats(self, batch: RolloutBatch, rewards: torch.Tensor, per_source: dict) -> dict:
         G = self.cfg.rollout.group_size
@@ -241,7 +277,11 @@ class Trainer:
         """log π_old on the rollout batch: recomputed by the trainer, or the generator's own."""
         if self.cfg.train.old_logprobs == "rollout":
             return batch.rollout_logp
-        return self._logprobs(self.model, batch, with_entropy=False).logp
+        with self.routing_context(batch) as cap:
+            logp = self._logprobs(self.model, batch, with_entropy=False).logp
+        if self.is_moe and "routing" not in batch.extras:
+            batch.extras["routing"] = cap.routing  # π_old's experts [N, L, layers, k]
+        return logp
 
     def objective_kwargs(self, T: int) -> dict:
         o = self.cfg.objective
@@ -272,9 +312,17 @@ class Trainer:
         for idx in split_minibatches(len(advantages), cfg.train.minibatches, gen):
             idx = idx.to(self.device)
             mb, mb_mask = batch.select(idx), mask[idx]
-            out = self._logprobs(self.model, mb, with_entropy=True)
+            aux_coef = cfg.moe.aux_loss_coef
+            with self.routing_context(mb, keep_logits=aux_coef > 0) as cap:
+                out = self._logprobs(self.model, mb, with_entropy=True)
             loss, stats = self.objective(out.logp, old_logp[idx], advantages[idx], mb_mask, **kwargs)
             stats = {f"policy/{k}": v for k, v in stats.items()}
+            if self.is_moe:
+                stats.update(self._routing_stats(mb, cap))
+                if aux_coef > 0:
+                    aux = moe.router_aux_loss(self.model, cap.router_logits(), mb.attention_mask)
+                    loss = loss + aux_coef * aux
+                    stats["moe/aux_loss"] = aux.detach()
             stats["policy/loss"] = loss.detach()
             stats["policy/entropy"] = objectives.aggregate(out.entropy.detach(), mb_mask, agg)
             total = loss
@@ -299,11 +347,19 @@ class Trainer:
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
+    def _routing_stats(self, mb: RolloutBatch, cap) -> dict:
+        """Expert load of this minibatch and the share of (token, layer) whose top-k moved since π_old."""
+        T = mb.response_mask.shape[1]
+        old = mb.extras.get("routing")
+        return moe.routing_metrics(moe.response_routing(cap.routing, T), mb.response_mask,
+                                   cap.num_experts,
+                                   old=None if old is None else moe.response_routing(old, T))
+
     def step(self, step: int) -> dict:
         t_start = time.perf_counter()
         batch, rewards, metrics = self.collect(step)
         if batch is None:
-            return {**metrics, "step": step, "train/skipped": 1.0}
+            return {**metrics, "step": step + 1, "train/skipped": 1.0}
         G = self.cfg.rollout.group_size
         advantages = group_advantages(rewards, G, scale=self.cfg.advantage.scale,
                                       eps=self.cfg.advantage.eps)                # [N]
@@ -394,32 +450,31 @@ class Trainer:
 
 
 def _concat(batches: list[RolloutBatch], pad_id: int, limit: int) -> RolloutBatch:
-    """Stack rollout batches of different prompt/response widths (re-padding both sides)."""
+    """Stack rollout batches of different prompt/response widths, keeping the first ``limit`` rows.
+
+    Prompts are re-padded on the left and responses on the right, so the layout stays
+    "prompt (left-padded) + response (right-padded)" for every row.
+    """
     Lp = max(b.input_ids.shape[1] - b.response_mask.shape[1] for b in batches)
     T = max(b.response_mask.shape[1] for b in batches)
-    parts = {"input_ids": [], "attention_mask": [], "response_mask": []}
-    for b in batches:
+
+    def widen(b: RolloutBatch, x: torch.Tensor, value, response_only: bool = False) -> torch.Tensor:
         t = b.response_mask.shape[1]
-        lp = b.input_ids.shape[1] - t
-        pad = (Lp - lp, T - t)
-        parts["input_ids"].append(_pad2(b.input_ids, lp, pad, pad_id))
-        parts["attention_mask"].append(_pad2(b.attention_mask, lp, pad, 0))
-        parts["response_mask"].append(torch.nn.functional.pad(b.response_mask, (0, pad[1])))
-    out = RolloutBatch(
-        input_ids=torch.cat(parts["input_ids"])[:limit],
-        attention_mask=torch.cat(parts["attention_mask"])[:limit],
-        response_mask=torch.cat(parts["response_mask"])[:limit],
+        left = 0 if response_only else Lp - (b.input_ids.shape[1] - t)
+        return torch.cat([x.new_full((x.shape[0], left, *x.shape[2:]), value), x,
+                          x.new_full((x.shape[0], T - t, *x.shape[2:]), value)], dim=1)
+
+    def stack(get, value, response_only=False) -> torch.Tensor:
+        return torch.cat([widen(b, get(b), value, response_only) for b in batches])[:limit]
+
+    return RolloutBatch(
+        input_ids=stack(lambda b: b.input_ids, pad_id),
+        attention_mask=stack(lambda b: b.attention_mask, 0),
+        response_mask=stack(lambda b: b.response_mask, 0.0, response_only=True),
         truncated=torch.cat([b.truncated for b in batches])[:limit],
         completions=sum((b.completions for b in batches), [])[:limit],
         examples=sum((b.examples for b in batches), [])[:limit],
-        rollout_logp=None if batches[0].rollout_logp is None else torch.cat(
-            [torch.nn.functional.pad(b.rollout_logp, (0, T - b.rollout_logp.shape[1])) for b in batches])[:limit],
+        rollout_logp=None if batches[0].rollout_logp is None
+        else stack(lambda b: b.rollout_logp, 0.0, response_only=True),
+        extras={key: stack(lambda b, k=key: b.extras[k], 0) for key in batches[0].extras},
     )
-    return out
-
-
-def _pad2(x: torch.Tensor, prompt_len: int, pad: tuple[int, int], value: int) -> torch.Tensor:
-    """Left-pad the prompt part and right-pad the response part of [N, L]."""
-    F = torch.nn.functional
-    return torch.cat([F.pad(x[:, :prompt_len], (pad[0], 0), value=value),
-                      F.pad(x[:, prompt_len:], (0, pad[1]), value=value)], dim=1)

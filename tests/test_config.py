@@ -1,0 +1,198 @@
+"""Config: defaults, dotted overrides, one-line errors that name the key, and the config hash."""
+
+import hashlib
+
+import pytest
+
+from gspo.config import (
+    ConfigError,
+    TrainConfig,
+    config_hash,
+    dump_yaml,
+    load_config,
+    parse_override,
+)
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message, "ConfigError must be one line"
+    return message
+
+
+# ------------------------------------------------------------------------------- defaults
+
+def test_builtin_defaults():
+    cfg = load_config()
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.objective.name == "gspo"
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (16, 8)
+    assert cfg.batch_size == 16 * 8                       # N = P x G (derived)
+    assert cfg.train.minibatches == 4                     # the paper's four minibatches
+    assert cfg.train.beta == 0.0                          # no KL, as the GSPO paper
+    assert cfg.train.old_logprobs == "recompute"
+    assert [r.type for r in cfg.rewards] == ["verifier"]
+
+
+def test_shipped_default_yaml_loads():
+    # Values are being tuned; only pin what the file is about (GSPO on arithmetic) and validity.
+    cfg = load_config("configs/default.yaml")
+    assert (cfg.task.name, cfg.objective.name) == ("arithmetic", "gspo")
+    assert cfg.batch_size % cfg.train.minibatches == 0
+
+
+def test_dump_then_load_round_trips(tmp_path):
+    cfg = load_config(None, ["objective.name=grpo", "train.beta=0.01", "seed=3"])
+    dump_yaml(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+# ------------------------------------------------------------------------------- overrides
+
+@pytest.mark.parametrize("text, key, value", [
+    ("train.steps=5", ["train", "steps"], 5),
+    ("seed=1", ["seed"], 1),
+    ("run.tensorboard=false", ["run", "tensorboard"], False),
+    ("model.path=null", ["model", "path"], None),
+    ("train.lr=0.001", ["train", "lr"], 0.001),
+    ("task.reward=mod:fn", ["task", "reward"], "mod:fn"),   # 'a:b' without a space stays a string
+    ("objective.params={tau_pos: 1.0}", ["objective", "params"], {"tau_pos": 1.0}),
+    ("run.dir=a=b", ["run", "dir"], "a=b"),                 # split on the first '=' only
+])
+def test_parse_override_yaml_scalars(text, key, value):
+    assert parse_override(text) == (key, value)
+
+
+def test_parse_override_exponent_without_dot_is_a_float():
+    assert parse_override("model.overrides.rms_norm_eps=1e-6") == (
+        ["model", "overrides", "rms_norm_eps"], 1e-6)
+
+
+def test_overrides_apply_to_nested_fields():
+    cfg = load_config(None, ["train.steps=7", "rollout.temperature=0.5", "objective.name=grpo",
+                             "rewards=[{type: verifier, weight: 2.0}]"])
+    assert cfg.train.steps == 7
+    assert cfg.rollout.temperature == 0.5
+    assert cfg.objective.name == "grpo"
+    assert cfg.rewards[0].weight == 2.0
+
+
+def test_override_on_top_of_a_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 4\ntrain:\n  steps: 9\n  lr: 2.0e-4\n")
+    cfg = load_config(path, ["train.steps=3"])
+    assert (cfg.seed, cfg.train.steps, cfg.train.lr) == (4, 3, 2.0e-4)   # file, override wins
+
+
+@pytest.mark.parametrize("text", ["train.steps", "=5", "train..steps=5"])
+def test_malformed_override(text):
+    with pytest.raises(ConfigError, match="override"):
+        parse_override(text)
+
+
+# ------------------------------------------------------------------------------- unknown keys
+
+@pytest.mark.parametrize("override, key, suggestion", [
+    ("train.stpes=5", "train.stpes", "steps"),
+    ("trian.steps=5", "trian", "train"),
+    ("rollout.group_sise=4", "rollout.group_sise", "group_size"),
+])
+def test_unknown_key_did_you_mean(override, key, suggestion):
+    message = _error(override)
+    assert f"unknown key {key!r}" in message
+    assert f"did you mean {suggestion!r}" in message
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    message = _error("train.zzzzzz=1")
+    assert "valid keys:" in message and "minibatches" in message
+
+
+def test_unknown_key_inside_rewards_list_suggests():
+    assert "did you mean 'type'" in _error("rewards=[{tpye: verifier}]")
+
+
+# ------------------------------------------------------------------------------- wrong values
+
+@pytest.mark.parametrize("override, key", [
+    ("train.steps=abc", "train.steps"),                   # wrong type
+    ("rollout.group_size=1", "rollout.group_size"),       # G >= 2: a group needs two responses
+    ("rollout.temperature=0", "rollout.temperature"),     # > 0
+    ("rollout.temperature=-1", "rollout.temperature"),
+    ("rollout.top_p=1.5", "rollout.top_p"),               # (0, 1]
+    ("advantage.eps=0", "advantage.eps"),                 # > 0
+    ("objective.eps_low=0", "objective.eps_low"),         # > 0
+    ("objective.eps_high=-0.1", "objective.eps_high"),
+    ("train.lr=0", "train.lr"),
+    ("train.old_logprobs=generator", "train.old_logprobs"),
+    ("objective.aggregation=sum", "objective.aggregation"),
+    ("train=5", "train"),                                 # a section given a scalar
+])
+def test_invalid_value_names_the_key(override, key):
+    message = _error(override)
+    assert f"{key}:" in message
+    assert "got" in message
+
+
+def test_minibatches_must_divide_batch():
+    # P*G = 16*8 = 128; 3 does not divide it, 4 does.
+    message = _error("train.minibatches=3")
+    assert "train.minibatches=3" in message and "128" in message
+    assert load_config(None, ["train.minibatches=4"]).train.minibatches == 4
+    # P*G = 3*2 = 6: 4 does not divide it.
+    assert "train.minibatches" in _error("rollout.prompts_per_step=3", "rollout.group_size=2")
+
+
+def test_custom_task_requires_files():
+    assert "task.train_file" in _error("task.name=custom")
+    assert "task.test_file" in _error("task.name=custom", "task.train_file=a.jsonl")
+    assert "task.reward" in _error("task.name=custom", "task.train_file=a.jsonl",
+                                   "task.test_file=b.jsonl")
+    cfg = load_config(None, ["task.name=custom", "task.train_file=a.jsonl",
+                             "task.test_file=b.jsonl", "task.reward=m:f"])
+    assert cfg.task.reward == "m:f"
+
+
+# ------------------------------------------------------------------------------- files
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("seed: 0\ntrain:\n  steps: 5\n   lr: 1\n")   # line 4 over-indented
+    with pytest.raises(ConfigError, match=r"bad\.yaml:4: invalid YAML"):
+        load_config(path)
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+def test_error_in_file_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  group_size: 1\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: rollout\.group_size"):
+        load_config(path)
+
+
+# ------------------------------------------------------------------------------- hash
+
+def test_config_hash_pinned():
+    # sha256 of json.dumps([{"a": 1}], sort_keys=True) = sha256('[{"a": 1}]'), first 12 hex digits.
+    assert config_hash({"a": 1}) == hashlib.sha256(b'[{"a": 1}]').hexdigest()[:12]
+    # key order does not matter (sort_keys)
+    assert config_hash({"b": 2, "a": 1}) == config_hash({"a": 1, "b": 2})
+
+
+def test_config_hash_stable_and_sensitive():
+    a, b = load_config(None, ["seed=1"]), load_config(None, ["seed=1"])
+    assert a is not b and config_hash(a.sft, a.model) == config_hash(b.sft, b.model)
+    assert len(config_hash(a.sft)) == 12
+    changed = load_config(None, ["seed=1", "sft.lr=0.002"])
+    assert config_hash(changed.sft, changed.model) != config_hash(a.sft, a.model)
+    assert config_hash(a.model, a.sft) != config_hash(a.sft, a.model)   # order of parts matters

@@ -1,0 +1,217 @@
+"""Rollout layout: the response mask, generate() on the tiny preset, demonstrations, select()."""
+
+import pytest
+import torch
+
+from gspo.logprobs import response_logprobs
+from gspo.models import build_model
+from gspo.rollout import (
+    RolloutBatch,
+    SamplingParams,
+    demonstration_batch,
+    generate,
+    response_mask_from_ids,
+)
+
+EOS = 2
+
+# ------------------------------------------------------------------------------- response mask
+
+
+def test_response_mask_hand_cases():
+    ids = torch.tensor([
+        [EOS, 7, 8, 9],     # EOS first: |y| = 1 (the EOS itself counts)
+        [5, 6, EOS, 9],     # EOS mid: 1 up to and including it, |y| = 3
+        [5, 6, 7, 8],       # no EOS: truncated, |y| = T = 4
+        [5, EOS, 6, EOS],   # several EOS: only the first one ends the response, |y| = 2
+        [5, 6, 7, EOS],     # EOS on the last column: complete, not truncated
+    ])
+    mask, truncated = response_mask_from_ids(ids, EOS)
+    assert mask.dtype == torch.float32
+    assert mask.tolist() == [
+        [1, 0, 0, 0],
+        [1, 1, 1, 0],
+        [1, 1, 1, 1],
+        [1, 1, 0, 0],
+        [1, 1, 1, 1],
+    ]
+    assert truncated.tolist() == [False, False, True, False, False]
+
+
+def test_response_mask_pad_equal_to_eos():
+    # Models that pad with EOS: trailing EOS padding after the first EOS stays masked out.
+    mask, truncated = response_mask_from_ids(torch.tensor([[4, EOS, EOS, EOS]]), EOS)
+    assert mask.tolist() == [[1, 1, 0, 0]] and truncated.tolist() == [False]
+
+
+# ------------------------------------------------------------------------------- generate
+
+@pytest.fixture(scope="module")
+def eos_model():
+    """tiny-dense with an output bias: EOS is likely (~27% at τ=0.7: e^(2.5/0.7) / (e^(2.5/0.7) + 96)),
+    pad/bos/unk are never sampled, so responses end early, mid-way, or get truncated."""
+    model, tok = build_model("tiny-dense", 0)
+    bias = torch.zeros(len(tok))
+    bias[tok.eos_token_id] = 2.5
+    bias[[tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]] = -1e4
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def prompts(arith):
+    """Three prompts, the first shorter than the others (e.g. '70+1=', '55-40='): padding varies."""
+    train = arith.split("train")
+    short = min(train, key=lambda ex: len(ex.prompt))
+    longer = [ex for ex in train if len(ex.prompt) > len(short.prompt)][:2]
+    return [short, *longer]
+
+
+G, MAX_NEW = 4, 5
+
+
+@pytest.fixture(scope="module")
+def batch(eos_model, prompts):
+    model, tok = eos_model
+    return generate(model, tok, prompts, SamplingParams(MAX_NEW, temperature=0.7), group_size=G,
+                    with_logprobs=True, seed=1)
+
+
+def test_generate_shapes_and_groups(batch, prompts):
+    N = len(prompts) * G
+    T = batch.response_mask.shape[1]
+    assert T == MAX_NEW  # some row is truncated, so generation ran to the limit
+    assert batch.input_ids.shape == batch.attention_mask.shape
+    assert batch.input_ids.shape[0] == N and batch.response_ids.shape == (N, T)
+    assert batch.truncated.shape == (N,) and len(batch.completions) == N
+    assert batch.rollout_logp.shape == (N, T)
+    # rows of a group are consecutive: prompt i occupies rows i*G .. i*G+G-1
+    assert batch.examples == [ex for ex in prompts for _ in range(G)]
+
+
+def test_generate_prompts_left_padded(batch, eos_model):
+    _, tok = eos_model
+    T = batch.response_mask.shape[1]
+    Lp = batch.input_ids.shape[1] - T
+    lengths = set()
+    for row, am, ex in zip(batch.input_ids, batch.attention_mask, batch.examples):
+        ids = tok(ex.prompt)["input_ids"]                   # <bos> + one id per character
+        assert ids[0] == tok.bos_token_id and len(ids) == len(ex.prompt) + 1
+        pad = Lp - len(ids)
+        lengths.add(len(ids))
+        assert row[:Lp].tolist() == [tok.pad_token_id] * pad + ids
+        assert am[:Lp].tolist() == [0] * pad + [1] * len(ids)
+    assert len(lengths) > 1, "prompts of different lengths, so padding is exercised"
+
+
+def test_generate_eos_mask_and_padding(batch, eos_model):
+    _, tok = eos_model
+    ids, mask = batch.response_ids, batch.response_mask
+    T = mask.shape[1]
+    kinds = set()
+    for i in range(len(ids)):
+        row = ids[i].tolist()
+        if tok.eos_token_id in row:
+            end = row.index(tok.eos_token_id) + 1           # |y_i| includes the EOS
+            kinds.add("eos first" if end == 1 else "eos mid")
+            assert not batch.truncated[i]
+            assert row[end:] == [tok.pad_token_id] * (T - end)   # after the first EOS: pad
+            assert batch.completions[i] == tok.decode(row[:end - 1])
+        else:
+            end = T
+            kinds.add("truncated")
+            assert batch.truncated[i]
+            assert batch.completions[i] == tok.decode(row)
+        assert mask[i].tolist() == [1.0] * end + [0.0] * (T - end)
+        assert batch.attention_mask[i, -T:].tolist() == [1] * end + [0] * (T - end)
+        assert len(batch.completions[i]) == end - (0 if batch.truncated[i] else 1)  # chars
+    assert kinds == {"eos first", "eos mid", "truncated"}, "seed must cover every case"
+    assert batch.lengths.tolist() == mask.sum(-1).tolist()
+
+
+def test_generate_same_seed_same_samples(eos_model, prompts, batch):
+    model, tok = eos_model
+    again = generate(model, tok, prompts, SamplingParams(MAX_NEW, temperature=0.7), group_size=G,
+                     with_logprobs=True, seed=1)
+    assert torch.equal(again.input_ids, batch.input_ids)
+    assert again.completions == batch.completions
+    other = generate(model, tok, prompts, SamplingParams(MAX_NEW, temperature=0.7), group_size=G,
+                     seed=2)
+    assert other.completions != batch.completions
+
+
+def test_generator_logprobs_match_recomputed(batch, eos_model):
+    """log π at τ=0.7 from generate's own logits equals the trainer's recomputation."""
+    model, _ = eos_model
+    with torch.no_grad():
+        ref = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                temperature=0.7, with_entropy=False).logp
+    assert torch.allclose(batch.rollout_logp, ref, atol=1e-4, rtol=0)
+    assert (batch.rollout_logp[batch.response_mask == 0] == 0).all()
+    assert (batch.rollout_logp[batch.response_mask == 1] < 0).all()
+    # and the temperature matters: at τ=1 the numbers differ
+    with torch.no_grad():
+        tau1 = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                 temperature=1.0, with_entropy=False).logp
+    assert not torch.allclose(batch.rollout_logp, tau1, atol=1e-2)
+
+
+def test_greedy_is_deterministic_and_restores_train_mode(eos_model, prompts):
+    model, tok = eos_model
+    model.train()
+    try:
+        a = generate(model, tok, prompts, SamplingParams(MAX_NEW, greedy=True), seed=0)
+        assert model.training
+    finally:
+        model.eval()
+    b = generate(model, tok, prompts, SamplingParams(MAX_NEW, greedy=True), seed=123)
+    assert torch.equal(a.input_ids, b.input_ids) and a.rollout_logp is None
+
+
+# ------------------------------------------------------------------------------- demonstrations
+
+def test_demonstration_batch_layout(tiny, arith):
+    _, tok = tiny
+    examples = arith.split("train")[:4]
+    b = demonstration_batch(tok, examples, "cpu")
+    width = max(len(ex.answer) for ex in examples) + 1       # answer characters + EOS
+    assert b.response_mask.shape == (4, width)
+    Lp = b.input_ids.shape[1] - width
+    for i, ex in enumerate(examples):
+        answer = [tok.convert_tokens_to_ids(c) for c in ex.answer] + [tok.eos_token_id]
+        n = len(answer)
+        assert b.response_ids[i].tolist() == answer + [tok.pad_token_id] * (width - n)
+        assert b.response_mask[i].tolist() == [1.0] * n + [0.0] * (width - n)
+        prompt = tok(ex.prompt)["input_ids"]
+        assert b.input_ids[i, :Lp].tolist() == [tok.pad_token_id] * (Lp - len(prompt)) + prompt
+        assert b.attention_mask[i].tolist() == ([0] * (Lp - len(prompt)) + [1] * len(prompt)
+                                                + [1] * n + [0] * (width - n))
+    assert b.completions == [ex.answer for ex in examples]
+    assert not b.truncated.any()
+    assert len({len(ex.answer) for ex in examples}) > 1, "answers of different lengths"
+
+
+def test_demonstration_batch_cut_is_truncated(tiny, arith):
+    _, tok = tiny
+    ex = next(e for e in arith.split("train") if len(e.answer) >= 2)
+    b = demonstration_batch(tok, [ex], "cpu", max_new_tokens=2)
+    assert b.response_mask.tolist() == [[1.0, 1.0]]
+    assert b.truncated.tolist() == [True]
+
+
+# ------------------------------------------------------------------------------- select
+
+def test_select_rows(batch):
+    b = RolloutBatch(**{**batch.__dict__, "extras": {"tag": torch.arange(len(batch.completions))}})
+    idx = torch.tensor([5, 0, 7])
+    s = b.select(idx)
+    assert torch.equal(s.input_ids, b.input_ids[idx])
+    assert torch.equal(s.attention_mask, b.attention_mask[idx])
+    assert torch.equal(s.response_mask, b.response_mask[idx])
+    assert torch.equal(s.truncated, b.truncated[idx])
+    assert torch.equal(s.rollout_logp, b.rollout_logp[idx])
+    assert s.completions == [b.completions[i] for i in (5, 0, 7)]
+    assert s.examples == [b.examples[i] for i in (5, 0, 7)]
+    assert s.extras["tag"].tolist() == [5, 0, 7]
+    empty = b.select(torch.tensor([], dtype=torch.long))
+    assert empty.input_ids.shape[0] == 0 and empty.completions == []
