@@ -7,15 +7,19 @@ Layout of ``RUN/checkpoints/step_000050/``::
     optimizer.pt, scheduler.pt                         # tensors only (torch.load weights_only=True)
     checksums.json                                     # sha256 of every file above
 
-A checkpoint is written to a temporary folder and renamed into place, so a crash leaves either
-the previous checkpoint or the new one, never half of one. Loading verifies the checksums and
-falls back to the previous checkpoint when the newest is corrupt. Nothing is ever unpickled.
+A checkpoint is written to a temporary folder, flushed to disk (fsync) and renamed into place, so
+a crash leaves either the previous checkpoint or the new one, never half of one. Weights that are
+not finite are refused (the previous checkpoints stay the last good ones). Loading verifies the
+checksums and falls back to the previous checkpoint when the newest is corrupt. Nothing is ever
+unpickled: weights are safetensors, the trainer state JSON, optimizer and scheduler state go
+through ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,20 +52,51 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
 def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler,
                     state: dict, keep: int = 2) -> Path:
     """Atomically write the checkpoint of ``step`` and prune old ones (keeping ``keep``)."""
+    check_finite(model, step)
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, tokenizer, tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
-    sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-    (tmp / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1))
+    try:
+        save_model(model, tokenizer, tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
+        sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1))
+        for p in tmp.iterdir():
+            _fsync(p)
+        _fsync(tmp)
+    except BaseException:  # a full disk, a signal: leave no temporary folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    _fsync(final.parent)
     prune(run_dir, keep)
     return final
+
+
+def check_finite(model, step: int) -> None:
+    """CheckpointError when a parameter holds NaN or Inf: such weights are never written."""
+    params = list(model.named_parameters())
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in params]).tolist()
+    bad = [name for (name, _), ok in zip(params, finite) if not ok]
+    if bad:
+        raise CheckpointError(f"refusing to save the checkpoint of step {step}: non-finite weights "
+                              f"in {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+                              + "; the previous checkpoints are kept")
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or folder to disk (a rename is durable only once its folder is synced)."""
+    if not path.is_dir() and not path.is_file():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -81,7 +116,11 @@ def verify(path: Path) -> None:
     sums_file = path / CHECKSUM_FILE
     if not sums_file.is_file():
         raise CheckpointError(f"{path}: no {CHECKSUM_FILE} (incomplete checkpoint)")
-    for name, digest in json.loads(sums_file.read_text()).items():
+    try:
+        sums = json.loads(sums_file.read_text())
+    except ValueError:
+        raise CheckpointError(f"{path}: unreadable {CHECKSUM_FILE}") from None
+    for name, digest in sums.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{path}: missing {name}")
@@ -103,7 +142,7 @@ def load_latest(run_dir: str | Path, warn=print) -> LoadedState | None:
         try:
             verify(path)
         except CheckpointError as err:
-            warn(f"skipping checkpoint: {err}")
+            warn(f"resume: refusing corrupt checkpoint {err}; falling back to the previous one")
             continue
         return LoadedState(
             path=path, state=json.loads((path / STATE_FILE).read_text()),

@@ -1,7 +1,10 @@
-"""Command line: ``gspo train | sft | eval | report``. Thin over the library.
+"""Command line: ``gspo train | sft | eval | report | audit``. Thin over the library.
 
-User errors (config, data, unknown names, missing files) print one line and exit 2 before any
-model is built; everything else is a bug and keeps its traceback.
+User errors (config, data, unknown names, missing files, unwritable output) are found in a
+preflight phase (``gspo.preflight``), before any model is built: one line, exit 2. Inside
+training only ``UserError``s (a failing reward under ``reward.on_error=fail``) are one line;
+anything else is a bug and keeps its traceback. SIGINT / SIGTERM save a checkpoint and exit
+128 + signal (130 / 143). Exit codes: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -12,18 +15,17 @@ import os
 import sys
 from pathlib import Path
 
-EXIT_USAGE = 2
-
-
-class UserError(Exception):
-    """Raised for problems the user can fix; printed as one line."""
+from gspo.errors import EXIT_USAGE, Interrupted, UserError
 
 
 def _user_errors():
-    from gspo.checkpoint import CheckpointError
-    from gspo.config import ConfigError
-    from gspo.tasks import TaskDataError
-    return (UserError, ConfigError, TaskDataError, CheckpointError, FileNotFoundError, ValueError)
+    """Errors that are the user's to fix wherever raised (ConfigError, TaskDataError, RewardError
+    are UserErrors); a ValueError or OSError is one only inside ``user_input()`` (preflight)."""
+    try:
+        from gspo.audit import AuditError
+    except ImportError:  # never let the error path itself fail
+        return (UserError,)
+    return (UserError, AuditError)
 
 
 def _quiet_libraries() -> None:
@@ -51,18 +53,30 @@ def _split_config_and_overrides(args) -> None:
 
 # --------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
+    from gspo.guard import GuardPause
+    from gspo.preflight import check_rewards, check_train, user_input
     from gspo.report import build_report
+    from gspo.signals import GracefulStop
     from gspo.trainer import Trainer
-    if args.resume:
-        run_cfg = Path(args.resume) / "config.yaml"
-        if not run_cfg.is_file():
-            raise UserError(f"--resume {args.resume}: no config.yaml (not a gspo run folder)")
-        args.config = str(run_cfg)
-    cfg = _config(args)
-    if args.resume:
-        cfg.run.dir = args.resume
-    trainer = Trainer(cfg, resume=bool(args.resume))
-    summary = trainer.run()
+    with user_input():  # preflight: config, files, output folder, data, rewards; no model yet
+        if args.resume:
+            run_cfg = Path(args.resume) / "config.yaml"
+            if not run_cfg.is_file():
+                raise UserError(f"--resume {args.resume}: no config.yaml (not a gspo run folder)")
+            args.config = str(run_cfg)
+        cfg = _config(args)
+        if args.resume:
+            cfg.run.dir = args.resume
+        check_train(cfg, resume=bool(args.resume))
+        trainer = Trainer(cfg, resume=bool(args.resume))
+        check_rewards(trainer.rewards, trainer.train_set)
+    try:
+        with GracefulStop(cfg.run.dir) as trainer.stop:  # SIGINT/SIGTERM: checkpoint, then exit
+            summary = trainer.run()
+    except GuardPause as pause:
+        report = build_report(cfg.run.dir)
+        print(f"gspo: paused: {pause} (report: {report})", file=sys.stderr)
+        return pause.exit_code
     report = build_report(cfg.run.dir)
     b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     print(f"held-out accuracy: {b:.3f} (cold start) -> {a:.3f} (after {summary['steps']} "
@@ -73,9 +87,13 @@ def cmd_train(args) -> int:
 
 def cmd_sft(args) -> int:
     from gspo.models import save_model
+    from gspo.preflight import check_files, check_model, user_input
     from gspo.trainer import build_task, initial_policy
-    cfg = _config(args)
-    task = build_task(cfg)
+    with user_input():
+        cfg = _config(args)
+        check_files(cfg)
+        check_model(cfg)
+        task = build_task(cfg)
     model, tokenizer, info = initial_policy(cfg, task, log=lambda m: print(m, file=sys.stderr))
     if args.out:
         save_model(model, tokenizer, args.out)
@@ -87,9 +105,12 @@ def cmd_sft(args) -> int:
 def cmd_eval(args) -> int:
     from gspo.evaluation import evaluate
     from gspo.models import load_model
+    from gspo.preflight import check_checkpoint, user_input
     from gspo.trainer import DTYPES, build_task, resolve_device
-    cfg = _config(args)
-    task = build_task(cfg)
+    with user_input():
+        cfg = _config(args)
+        check_checkpoint("--checkpoint", args.checkpoint)
+        task = build_task(cfg)
     model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype])
     model.to(resolve_device(cfg.model.device))
     tests = task.split("test")[:cfg.eval.n] if cfg.eval.n else task.split("test")
@@ -101,11 +122,21 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_report(args) -> int:
-    from gspo.report import build_report
+def cmd_audit(args) -> int:
+    from gspo.audit import EXIT_MISMATCH, Tolerances, run_audit
     if not Path(args.run_dir).is_dir():
         raise UserError(f"{args.run_dir}: no such run folder")
-    print(build_report(args.run_dir))
+    tol = Tolerances(logp=args.tol, ratio=args.tol) if args.tol is not None else Tolerances()
+    return 0 if run_audit(args.run_dir, args.step, tol) else EXIT_MISMATCH
+
+
+def cmd_report(args) -> int:
+    from gspo.report import build_report
+    from gspo.preflight import user_input
+    if not Path(args.run_dir).is_dir():
+        raise UserError(f"{args.run_dir}: no such run folder")
+    with user_input():  # reads only the user's run folder
+        print(build_report(args.run_dir))
     return 0
 
 
@@ -140,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Rebuild RUN_DIR/report.md and RUN_DIR/plots/*.png from its metrics.")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("audit", help="recompute the recorded steps of a run (audit.every=K)",
+                       description="Reload π_old / π_new of recorded steps and recompute old "
+                                   "log-probs, sequence ratios, clip decisions and loss; check mask, "
+                                   "EOS, padding and length normalisation. Exit 0 when all agree, "
+                                   "1 naming the step and field that does not.")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, help="audit only this recorded step (default: all)")
+    p.add_argument("--tol", type=float, help="tolerance on log-probs and ratios (default 1e-4)")
+    p.set_defaults(fn=cmd_audit)
     return parser
 
 
@@ -153,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"gspo: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except Interrupted as stop:
+        print(f"gspo: {stop}", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print("gspo: interrupted", file=sys.stderr)
         return 130

@@ -16,11 +16,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gspo.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user error in a config file or override: one line, names the key."""
+
+
+def one_of(kind: str, name: str, valid: list[str]) -> str:
+    """``name`` if it is in ``valid``, else ValueError with a "did you mean" and the valid names."""
+    if name not in valid:
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown {kind} {name!r}; {hint}valid: {', '.join(valid)}")
+    return name
 
 
 class Section(BaseModel):
@@ -56,6 +67,12 @@ class ModelConfig(Section):
     device: str = "auto"
     """cpu | cuda | cuda:N | auto (cuda when available)."""
 
+    @field_validator("preset")
+    @classmethod
+    def _preset(cls, name: str) -> str:
+        from gspo.models import available_presets
+        return one_of("model preset", name, available_presets())
+
 
 class TaskConfig(Section):
     name: str = "arithmetic"
@@ -75,6 +92,12 @@ class TaskConfig(Section):
     correct_threshold: float = 1.0
     """custom task: a completion counts as correct when its reward is at least this."""
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        from gspo.tasks import available
+        return one_of("task", name, available())
+
 
 class RewardSpec(Section):
     type: str = "verifier"
@@ -85,6 +108,19 @@ class RewardSpec(Section):
     """function: 'module:function' with signature fn(completion, **row) -> float."""
     path: str | None = None
     """model: local AutoModelForSequenceClassification directory."""
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, name: str) -> str:
+        from gspo.rewards import source_types
+        return one_of("reward type", name, source_types())
+
+    @model_validator(mode="after")
+    def _needs(self) -> "RewardSpec":
+        needs = {"function": "fn", "model": "path"}.get(self.type)
+        if needs and getattr(self, needs) is None:
+            raise ValueError(f"a reward of type {self.type!r} needs {needs!r}")
+        return self
 
 
 class SFTConfig(Section):
@@ -132,6 +168,28 @@ class ObjectiveConfig(Section):
     params: dict[str, float] = {}
     """Extra objective hyper-parameters (e.g. {tau_pos: 1.0, tau_neg: 1.05} for sapo)."""
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        from gspo import objectives
+        return one_of("objective", name, objectives.available())
+
+    @field_validator("params")
+    @classmethod
+    def _params(cls, params: dict, info) -> dict:
+        from gspo import objectives
+        name = info.data.get("name")
+        if name is None:  # the name itself failed
+            return params
+        valid = sorted(set(objectives.spec(name).defaults) - {"eps_low", "eps_high", "aggregation"})
+        for key in params:
+            if key not in valid:
+                close = difflib.get_close_matches(key, valid, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"objective {name!r} has no hyper-parameter {key!r}; {hint}"
+                                 f"valid: {', '.join(valid) or 'none'}")
+        return params
+
 
 class AdvantageConfig(Section):
     scale: Literal["group", "batch", "none"] = "group"
@@ -169,6 +227,8 @@ class TrainLoopConfig(Section):
     """dynamic_sampling: extra generation rounds at most per step."""
     logprob_chunk: int = Field(1024, ge=1)
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
+    log_rollout_logprobs: bool = False
+    """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
 
 
 class MoEConfig(Section):
@@ -176,6 +236,62 @@ class MoEConfig(Section):
     """Force π_old's experts when computing π_θ: none | old (captured in the old-log-prob pass, paper's R2) | rollout (captured at generation, R3)."""
     aux_loss_coef: float = Field(0.0, ge=0)
     """Weight of the router load-balancing loss (0: off)."""
+
+
+GuardAction = Literal["warn", "skip", "pause", "rollback"]
+
+
+class GuardRule(Section):
+    kind: str
+    """Rule kind (gspo.guard.available()): nan | clip_frac | approx_kl | kl_ref | grad_norm | entropy | reward_drop | moe_imbalance | metric."""
+    threshold: float | None = None
+    """The limit (every kind but nan): the metric above it fires (below it for entropy; reward_drop: the drop below the moving average)."""
+    action: GuardAction = "warn"
+    """warn | skip (discard this step's update) | pause (save, exit 3) | rollback (last good checkpoint)."""
+    metric: str | None = None
+    """The metric watched: required for kind=metric, otherwise replaces the kind's default metric."""
+    below: bool | None = None
+    """kind=metric: fire when the value falls below the threshold (default: above)."""
+    ema: float | None = Field(None, gt=0, lt=1)
+    """reward_drop: weight of the past in the moving average (default 0.9)."""
+    warmup: int = Field(0, ge=0)
+    """Skip this many RL steps before the rule is checked."""
+
+    @model_validator(mode="after")
+    def _kind(self) -> "GuardRule":
+        from gspo.guard import check_rule
+        check_rule(self)
+        return self
+
+
+class GuardConfig(Section):
+    nan: Literal["off", "warn", "skip", "pause", "rollback"] = "skip"
+    """Action when any step metric (loss, gradient norm, reward, ...) is NaN or Inf."""
+    rules: list[GuardRule] = []
+    """Threshold rules checked after every RL step, e.g. [{kind: clip_frac, threshold: 0.5, action: rollback}]."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Roll-backs allowed per run; a roll-back beyond them pauses the run instead."""
+    rollback_lr_scale: float = Field(1.0, gt=0, le=1)
+    """Multiply the learning rate by this at every roll-back (1: unchanged)."""
+    snapshot_device: Literal["cpu", "same"] = "cpu"
+    """Where the pre-step copy of weights and optimizer (kept for skip / pause rules) lives."""
+
+
+class AuditConfig(Section):
+    every: int = Field(0, ge=0)
+    """Record the rollout batch, π_old and π_new of every K-th RL step under run.dir/audit/ (0: off); check with `gspo audit`."""
+
+
+class MonitorConfig(Section):
+    length_buckets: int = Field(4, ge=0)
+    """Equal-width response-length buckets over 1..max_new_tokens for the length/<lo>-<hi>/* metrics (0: off)."""
+
+
+class FaultsConfig(Section):
+    lr_factor: float = Field(1.0, gt=0)
+    """Deliberate fault, to exercise the guard: multiply the learning rate by this (e.g. 1000) ..."""
+    lr_from_step: int = Field(1, ge=1)
+    """... from this RL step on (1-based, as logged)."""
 
 
 class EvalConfig(Section):
@@ -189,6 +305,26 @@ class EvalConfig(Section):
     """Prompts per generation batch."""
 
 
+class DataConfig(Section):
+    on_error: Literal["fail", "skip"] = "fail"
+    """A bad example (bad JSON, missing or empty prompt, wrong type, characters the tokenizer cannot encode, longer than the context): fail names it (file:line); skip drops it and counts it (log, summary.json)."""
+
+
+class RewardPolicy(Section):
+    on_error: Literal["fail", "zero", "drop"] = "fail"
+    """A reward source that raises, hangs, or returns None / a non-number / NaN / Inf on a sample: fail stops naming the sample; zero scores it 0; drop masks the sample out of the advantages and the loss. Counted in reward/errors."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Wall-clock limit of one reward call on one sample (a hung call counts as an error)."""
+    max_hung: int = Field(8, ge=0)
+    """Hung in-process calls tolerated per run (each leaves a thread behind); beyond, the run stops. Use sandbox for code that may hang."""
+    sandbox: bool = False
+    """Run 'function' rewards (and a custom task's reward) in a separate process with CPU, memory and wall limits and no network: for rewards that execute model-written code."""
+    sandbox_cpu_s: float = Field(10.0, gt=0)
+    """sandbox: CPU seconds per call (rounded up to whole seconds)."""
+    sandbox_memory_mb: int = Field(1024, ge=64)
+    """sandbox: address-space limit of the worker process."""
+
+
 class TrainConfig(Section):
     seed: int = 0
     """Seeds model init, data order, sampling: same seed, same run (on CPU)."""
@@ -197,6 +333,10 @@ class TrainConfig(Section):
     task: TaskConfig = TaskConfig()
     rewards: list[RewardSpec] = [RewardSpec()]
     """Reward sources, summed with their weights."""
+    reward: RewardPolicy = RewardPolicy()
+    """What a failing reward call does to the run: timeouts, on_error policy, sandbox (docs/reliability.md)."""
+    data: DataConfig = DataConfig()
+    """What a bad training or test example does to the run (docs/reliability.md)."""
     sft: SFTConfig = SFTConfig()
     rollout: RolloutConfig = RolloutConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
@@ -205,6 +345,14 @@ class TrainConfig(Section):
     eval: EvalConfig = EvalConfig()
     moe: MoEConfig = MoEConfig()
     """Mixture-of-Experts switches (only for MoE models, e.g. model.preset=tiny-moe)."""
+    guard: GuardConfig = GuardConfig()
+    """Stability guard: rules over the step metrics -> warn / skip / pause / rollback (docs/trust.md)."""
+    audit: AuditConfig = AuditConfig()
+    """Rollout records for offline re-computation of ratios, clipping and loss (docs/trust.md)."""
+    monitor: MonitorConfig = MonitorConfig()
+    """Extra diagnostics: length slices."""
+    faults: FaultsConfig = FaultsConfig()
+    """Deliberate faults for testing the guard (off by default)."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -216,6 +364,9 @@ class TrainConfig(Section):
         if self.moe.routing_replay == "old" and self.train.old_logprobs != "recompute":
             raise ValueError("moe.routing_replay=old captures experts in the recomputed old-log-prob "
                              "pass: it needs train.old_logprobs=recompute (or use routing_replay=rollout)")
+        if self.train.beta == 0 and any(r.kind == "kl_ref" for r in self.guard.rules):
+            raise ValueError("guard rule kl_ref watches the KL to the reference policy: it needs "
+                             "train.beta > 0")
         if self.task.name == "custom":
             for key in ("train_file", "test_file", "reward"):
                 if getattr(self.task, key) is None:
@@ -302,7 +453,8 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], source
     msg = first["msg"].removeprefix("Value error, ")
     if not loc:
         return f"{source}: {msg}"
-    return f"{source}: {key}: {msg} (got {first.get('input')!r})"
+    got = first.get("input")
+    return f"{source}: {key}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
@@ -326,4 +478,8 @@ def config_hash(*parts: Any) -> str:
 
 
 def dump_yaml(config: BaseModel, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    """Write atomically (temporary file, then rename): a killed run never leaves half a config."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    tmp.replace(path)

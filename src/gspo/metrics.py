@@ -24,12 +24,15 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop rows past the checkpoint so the log matches the restored state."""
+        """On resume: drop rows past the checkpoint (and a line cut short by a kill) so the log
+        matches the restored state. Rewritten atomically: a second kill loses nothing."""
         if not self.path.is_file():
             return
         rows = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) <= step]
-        self.path.write_text("".join(r + "\n" for r in rows))
+                if (row := _parse(line)) is not None and row.get("step", -1) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(r + "\n" for r in rows))
+        tmp.replace(self.path)
 
     def write(self, row: dict) -> None:
         with self.path.open("a") as fh:
@@ -46,8 +49,20 @@ class MetricsWriter:
             self._tb.close()
 
 
+def _parse(line: str) -> dict | None:
+    """A row, or None for a blank line or one cut short (a run killed while writing it)."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except ValueError:
+        return None
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """All rows; a last line cut short by a kill (or still being written) is left out."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines[:-1]]
+    last = _parse(lines[-1]) if lines else None
+    return rows + ([last] if last is not None else [])

@@ -128,7 +128,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path: {path} is not a transformers checkpoint (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    # safetensors only: a pickled pytorch_model.bin is refused, never unpickled
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                 use_safetensors=True)
     if tokenizer.pad_token_id is None:  # many causal LMs ship without one; EOS is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -14,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gspo.diagnostics import plot_length_slices  # noqa: E402
+from gspo.guard import event_table, read_events  # noqa: E402
 from gspo.metrics import read_metrics  # noqa: E402
 
 # (metric key, title); a panel is drawn only when the run logged that metric.
@@ -76,6 +78,9 @@ def build_report(run_dir: str | Path) -> Path:
         name = key.replace("/", "_") + ".png"
         if plot_panel(rows, key, title, plots / name):
             lines.append(f"![{title}](plots/{name})")
+    if plot_length_slices(rows, plots / "length_slices.png"):
+        lines += ["", "## Length slices", "", "![length slices](plots/length_slices.png)"]
+    lines += ["", "## Guard events", "", *event_table(read_events(run_dir))]
     last = rows[-1]
     lines += ["", "## Last logged step", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in last.items()]

@@ -3,8 +3,9 @@
 A `RewardSource` maps (completions, examples) to one float per completion. `CombinedReward`
 sums weighted sources into `RewardResult(total [N], per_source {name: [N]})`, the per-source
 values unweighted so they can be logged as `reward/<name>`. `build_rewards(specs, task)` builds
-one from config dicts through a registry of source types. This module does not sandbox or time
-out user code, nor normalise rewards (advantages do that).
+one from config dicts through a registry of source types; given the `reward:` policy it returns a
+`gspo.isolation.GuardedReward` (per-sample timeouts, error policy, optional sandbox). This module
+does not normalise rewards (advantages do that).
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ class RewardResult:
 
     total: torch.Tensor  # [N] float32, sum_k weight_k * per_source[k]
     per_source: dict[str, torch.Tensor]  # name -> [N] float32, unweighted
+    errors: torch.Tensor | None = None  # [N] bool: a source failed on this sample (GuardedReward)
 
 
 class VerifierReward:
     """The task's own verifier, `task.reward(completion, example)`."""
+
+    per_sample = True  # GuardedReward may call it one completion at a time
 
     def __init__(self, task: Task, *, name: str = "verifier"):
         self.task, self.name = task, name
@@ -52,6 +56,8 @@ class VerifierReward:
 
 class FunctionReward:
     """A user function `fn(completion, prompt=..., answer=..., **data) -> float`."""
+
+    per_sample = True
 
     def __init__(self, fn: str | Callable, *, name: str | None = None):
         self.spec = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
@@ -85,7 +91,8 @@ class ModelReward:
         self.name = name or "model_" + os.path.basename(os.path.normpath(path))
         self.batch_size, self.device, self.label, self.max_length = batch_size, device, label, max_length
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, local_files_only=True, use_safetensors=True)  # never unpickle weights
         self.model.to(device).eval()
         if self.tokenizer.pad_token is None:
             if self.tokenizer.eos_token is None:
@@ -175,6 +182,8 @@ def source_types() -> list[str]:
 def _verifier(task: Task | None, *, name: str = "verifier") -> RewardSource:
     if task is None:
         raise ValueError("reward type 'verifier' needs a task")
+    while hasattr(task, "inner"):  # the raw task: failures must reach GuardedReward, not be absorbed
+        task = task.inner
     return VerifierReward(task, name=name)
 
 
@@ -197,8 +206,12 @@ def _model(
     return ModelReward(path, name=name, batch_size=batch_size, device=device, label=label, max_length=max_length)
 
 
-def build_rewards(specs: list[dict], task: Task | None = None) -> CombinedReward:
-    """Build a `CombinedReward` from dicts like `{"type": "function", "fn": "m:f", "weight": 0.5}`."""
+def build_rewards(specs: list[dict], task: Task | None = None, policy=None):
+    """Build a `CombinedReward` from dicts like `{"type": "function", "fn": "m:f", "weight": 0.5}`.
+
+    `policy` (config `reward:`, a `RewardPolicy`): wrap it in a `GuardedReward`; with
+    `policy.sandbox`, function sources run in `gspo.sandbox` and are never imported here.
+    """
     sources = []
     for i, spec in enumerate(specs):
         spec = {k: v for k, v in spec.items() if v is not None}  # None: unset (a config's blank field)
@@ -207,5 +220,23 @@ def build_rewards(specs: list[dict], task: Task | None = None) -> CombinedReward
             raise ValueError(f"rewards[{i}]: unknown reward type {kind!r}; valid types: {', '.join(source_types())}")
         builder = _SOURCE_TYPES[kind]
         call_kwargs(builder, spec, what=f"rewards[{i}] (type {kind!r})", args=(task,))
-        sources.append((builder(task, **spec), weight))
-    return CombinedReward(sources)
+        try:
+            if kind == "function" and policy is not None and policy.sandbox:
+                from gspo.sandbox import SandboxedFunction
+                spec["fn"] = SandboxedFunction(spec["fn"], sandbox_limits(policy))
+            sources.append((builder(task, **spec), weight))
+        except ValueError as err:
+            raise ValueError(f"rewards[{i}] (type {kind!r}): {err}") from err
+    combined = CombinedReward(sources)
+    if policy is None:
+        return combined
+    from gspo.data import guard_options
+    from gspo.isolation import GuardedReward
+    return GuardedReward(combined, **guard_options(policy))
+
+
+def sandbox_limits(policy):
+    """`gspo.sandbox.Limits` from the `reward:` config section."""
+    from gspo.sandbox import Limits
+    return Limits(wall_s=policy.timeout_s, cpu_s=policy.sandbox_cpu_s,
+                  memory_mb=policy.sandbox_memory_mb)

@@ -8,6 +8,7 @@ determines it, so a second ``gspo train`` with the same settings reuses it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -67,7 +68,9 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
 
 def cache_key(model_cfg, task_cfg, sft_cfg: SFTConfig, seed: int) -> str:
     sft = sft_cfg.model_dump(exclude={"cache_dir", "enabled"})
-    return config_hash(model_cfg, task_cfg, sft, seed)
+    train_file = getattr(task_cfg, "train_file", None)  # custom data: its content, not only its path
+    data = [hashlib.sha256(Path(train_file).read_bytes()).hexdigest()] if train_file else []
+    return config_hash(model_cfg, task_cfg, sft, seed, *data)
 
 
 def cached_checkpoint(cache_dir: str | Path, key: str) -> Path | None:

@@ -26,8 +26,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gspo import moe, objectives, tasks
-from gspo.advantages import group_advantages
+from gspo import data, diagnostics, moe, objectives, tasks
+from gspo.audit import Recorder
+from gspo.guard import Guard
+from gspo.errors import Interrupted
+from gspo.isolation import advantages_with_drops
 from gspo.checkpoint import load_latest, save_checkpoint
 from gspo.config import TrainConfig, dump_yaml
 from gspo.evaluation import EvalResult, evaluate
@@ -49,12 +52,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_task(cfg: TrainConfig) -> tasks.Task:
-    t = cfg.task
-    if t.name == "custom":
-        return tasks.build("custom", train_file=t.train_file, test_file=t.test_file,
-                           reward=t.reward, correct_threshold=t.correct_threshold)
-    sizes = {k: v for k, v in (("n_train", t.n_train), ("n_test", t.n_test)) if v is not None}
-    return tasks.build(t.name, seed=cfg.seed, **sizes, **t.params)
+    """The configured task with its data checked and its reward calls guarded (gspo.data)."""
+    return data.build_task(cfg)
 
 
 def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
@@ -140,7 +139,7 @@ class Trainer:
         self.train_set, self.test_set = self.task.split("train"), self.task.split("test")
         if cfg.eval.n:
             self.test_set = self.test_set[:cfg.eval.n]
-        self.rewards = build_rewards([r.model_dump() for r in cfg.rewards], self.task)
+        self.rewards = build_rewards([r.model_dump() for r in cfg.rewards], self.task, policy=cfg.reward)
         self.sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                        cfg.rollout.top_p, cfg.rollout.top_k)
 
@@ -164,13 +163,16 @@ class Trainer:
                                          cfg.train.warmup_steps, total)
         self.cursor = DataCursor(len(self.train_set), cfg.seed)
         self.start_step, self.history, self.wall_before = 0, {}, 0.0
+        self.guard = Guard(cfg.guard, cfg.faults, list(self.scheduler.base_lrs))
+        self.recorder = Recorder(cfg.audit.every, self.run_dir)
         self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard)
         if self.resume:
             self._restore()
 
     def _claim_run_dir(self) -> None:
         """A fresh run never mixes with an old one: refuse, or clear it when run.overwrite is set."""
-        previous = [self.run_dir / n for n in ("metrics.jsonl", "checkpoints", "summary.json", "tb")]
+        previous = [self.run_dir / n for n in ("metrics.jsonl", "checkpoints", "summary.json", "tb",
+                                               "events.jsonl", "audit")]
         previous = [p for p in previous if p.exists()]
         if previous and not self.resume:
             if not self.cfg.run.overwrite:
@@ -186,7 +188,16 @@ class Trainer:
         loaded = load_latest(self.run_dir, warn=self.log)
         if loaded is None:
             self.log(f"resume: no usable checkpoint in {self.run_dir}; starting from scratch")
+            self.metrics.truncate_after(-1)  # rows of the killed attempt would be logged twice
             return
+        self.load_checkpoint(loaded)
+        self.guard.load_state_dict(loaded.state.get("guard"))
+        self.wall_before = loaded.state.get("wall_s", 0.0)
+        self.metrics.truncate_after(self.start_step)
+        self.log(f"resume: restored {loaded.path} (step {self.start_step})")
+
+    def load_checkpoint(self, loaded) -> None:
+        """Weights, optimizer, scheduler, data position, step and history of a checkpoint."""
         weights, _ = load_model(loaded.path, DTYPES[self.cfg.model.dtype])
         self.model.load_state_dict(weights.state_dict())
         self.optimizer.load_state_dict(loaded.optimizer)
@@ -195,9 +206,6 @@ class Trainer:
         self.cursor.load(state["cursor"])
         self.start_step = state["step"]
         self.history = state.get("history", {})
-        self.wall_before = state.get("wall_s", 0.0)
-        self.metrics.truncate_after(self.start_step)
-        self.log(f"resume: restored {loaded.path} (step {self.start_step})")
 
     # ----------------------------------------------------------------------------- one step
     def collect(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict]:
@@ -209,11 +217,13 @@ class Trainer:
         for rnd in range(rounds):
             examples = [self.train_set[i] for i in self.cursor.take(P)]
             t0 = time.perf_counter()
-            batch = self.generate(examples, seed=cfg.seed * 1_000_003 + step * 101 + rnd)
+            batch = self.generate(examples, seed=self.rollout_seed(step, rnd))
             extra["time/generate_s"] = extra.get("time/generate_s", 0.0) + time.perf_counter() - t0
             t0 = time.perf_counter()
             result = self.rewards(batch.completions, batch.examples)
             extra["time/reward_s"] = extra.get("time/reward_s", 0.0) + time.perf_counter() - t0
+            errors = 0 if result.errors is None else int(result.errors.sum())   # reward.on_error
+            extra["reward/errors"] = extra.get("reward/errors", 0) + errors
             rewards = result.total.to(self.device)                         # [N]
             if first_stats is None:
                 first_stats = self._reward_stats(batch, rewards, result.per_source)
@@ -232,13 +242,22 @@ class Trainer:
             return None, rewards, {**first_stats, **extra}
         return batch, rewards, {**first_stats, **extra}
 
+    def rollout_seed(self, step: int, rnd: int = 0) -> int:
+        """Sampling seed of generation round ``rnd`` of ``step`` (recorded for audits)."""
+        return self.cfg.seed * 1_000_003 + step * 101 + rnd
+
+    def minibatch_seed(self, step: int) -> int:
+        """Seed of the minibatch split of ``step``."""
+        return self.cfg.seed * 7 + step
+
     def generate(self, examples, seed: int) -> RolloutBatch:
         """Sample G responses per example; under rollout routing replay, keep the experts used."""
         capture = self.cfg.moe.routing_replay == "rollout"
         with moe.capture_routing(self.model) if capture else contextlib.nullcontext() as cap:
             batch = generate(self.model, self.tokenizer, examples, self.sampling,
                              group_size=self.cfg.rollout.group_size,
-                             with_logprobs=self.cfg.train.old_logprobs == "rollout", seed=seed)
+                             with_logprobs=self.cfg.train.old_logprobs == "rollout"
+                             or self.cfg.train.log_rollout_logprobs, seed=seed)
         if capture:
             batch.extras["routing"] = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
         return batch
@@ -254,8 +273,9 @@ class Trainer:
     def _reward_stats(self, batch: RolloutBatch, rewards: torch.Tensor, per_source: dict) -> dict:
         G = self.cfg.rollout.group_size
         correct = [self.task.is_correct(c, ex) for c, ex in zip(batch.completions, batch.examples)]
+        scored = rewards[rewards.isfinite()]  # reward.on_error=drop marks dropped samples NaN
         stats = {
-            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+            "reward/mean": scored.mean().item(), "reward/std": scored.std().item(),
             "reward/accuracy": sum(correct) / len(correct),
             "reward/frac_zero_std_groups": (rewards.view(-1, G).std(-1) == 0).float().mean().item(),
             "response/length_mean": batch.lengths.float().mean().item(),
@@ -263,7 +283,7 @@ class Trainer:
             "response/truncated_frac": batch.truncated.float().mean().item(),
         }
         if len(per_source) > 1:
-            stats.update({f"reward/{k}": v.mean().item() for k, v in per_source.items()})
+            stats.update({f"reward/{k}": v.nanmean().item() for k, v in per_source.items()})
         return stats
 
     def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool):
@@ -295,19 +315,27 @@ class Trainer:
         return "seq-mean-token-mean" if mode == "seq-mean" else mode
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, old_logp: torch.Tensor,
-               step: int) -> dict:
-        """M minibatch updates on one rollout batch; returns metrics averaged over minibatches."""
+               step: int, record: dict | None = None) -> dict:
+        """M minibatch updates on one rollout batch; returns metrics averaged over minibatches.
+
+        ``record`` (optional) receives the loss mask, each row's log-probs as trained on, its
+        minibatch and the objective's minibatch losses (length slices, audit records)."""
         cfg = self.cfg
         mask = batch.response_mask
         if cfg.train.mask_truncated:
             mask = mask * (~batch.truncated).float().unsqueeze(-1)              # [N, T]
+        if "dropped" in batch.extras:  # reward.on_error=drop: failed samples leave the loss
+            mask = mask * (~batch.extras["dropped"]).float().unsqueeze(-1)      # [N, T]
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp = self._logprobs(self.ref_model, batch, with_entropy=False).logp
-        gen = torch.Generator().manual_seed(cfg.seed * 7 + step)
+        gen = torch.Generator().manual_seed(self.minibatch_seed(step))
         kwargs, agg = self.objective_kwargs(mask.shape[1]), self.token_aggregation()
         collected: dict[str, list[torch.Tensor]] = {}
+        skipped_nonfinite = 0
+        if record is not None:
+            diagnostics.new_record(record, mask)
         self.model.train()
         for idx in split_minibatches(len(advantages), cfg.train.minibatches, gen):
             idx = idx.to(self.device)
@@ -316,6 +344,8 @@ class Trainer:
             with self.routing_context(mb, keep_logits=aux_coef > 0) as cap:
                 out = self._logprobs(self.model, mb, with_entropy=True)
             loss, stats = self.objective(out.logp, old_logp[idx], advantages[idx], mb_mask, **kwargs)
+            if record is not None:
+                diagnostics.record_minibatch(record, idx, out.logp, loss)
             stats = {f"policy/{k}": v for k, v in stats.items()}
             if self.is_moe:
                 stats.update(self._routing_stats(mb, cap))
@@ -336,7 +366,11 @@ class Trainer:
             total.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
             stats["optim/grad_norm"] = grad_norm.detach()
-            self.optimizer.step()
+            if bool(torch.isfinite(total.detach()) & torch.isfinite(grad_norm)):  # a sync per minibatch
+                self.optimizer.step()
+            else:  # a NaN/Inf loss or gradient is never applied: skip this update, counted
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped_nonfinite += 1
             self.scheduler.step()
             for k, v in stats.items():
                 collected.setdefault(k, []).append(v.float())
@@ -345,6 +379,7 @@ class Trainer:
         values = torch.stack([torch.stack(collected[k]).mean() for k in keys]).tolist()
         metrics = dict(zip(keys, values))
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["optim/skipped_nonfinite"] = skipped_nonfinite
         return metrics
 
     def _routing_stats(self, mb: RolloutBatch, cap) -> dict:
@@ -361,18 +396,35 @@ class Trainer:
         if batch is None:
             return {**metrics, "step": step + 1, "train/skipped": 1.0}
         G = self.cfg.rollout.group_size
-        advantages = group_advantages(rewards, G, scale=self.cfg.advantage.scale,
-                                      eps=self.cfg.advantage.eps)                # [N]
+        advantages = advantages_with_drops(batch, rewards, G, scale=self.cfg.advantage.scale,
+                                           eps=self.cfg.advantage.eps)  # [N]; reward.on_error=drop
         t0 = time.perf_counter()
         old_logp = self.old_logprobs(batch)                                       # [N, T]
         metrics["time/old_logprobs_s"] = time.perf_counter() - t0
         if batch.rollout_logp is not None:
             metrics.update(self._mismatch(batch, old_logp))
         t0 = time.perf_counter()
-        metrics.update(self.update(batch, advantages, old_logp, step))
+        record: dict = {}
+        self.recorder.begin(self, step)                                           # π_old, if audited
+        metrics.update(self.update(batch, advantages, old_logp, step, record=record))
         metrics["time/train_s"] = time.perf_counter() - t0
+        metrics.update(self.length_slices(batch, rewards, advantages, old_logp, record))
+        self.recorder.finish(self, step, batch, rewards, advantages, old_logp, record, metrics)
         metrics["time/step_s"] = time.perf_counter() - t_start
         return {"step": step + 1, **metrics}
+
+    def length_slices(self, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,
+                      old_logp: torch.Tensor, record: dict) -> dict:
+        """Reward, accuracy, clip fraction and ratio per response-length bucket (length/*)."""
+        n = self.cfg.monitor.length_buckets
+        if not n:
+            return {}
+        correct = torch.tensor([self.task.is_correct(c, ex)
+                                for c, ex in zip(batch.completions, batch.examples)])
+        return diagnostics.length_slices(
+            batch.lengths.cpu(), rewards.cpu(), correct, record["logp"], old_logp, advantages,
+            record["mask"], objective=self.objective, objective_kwargs=self.objective_kwargs(0),
+            buckets=diagnostics.length_buckets(self.cfg.rollout.max_new_tokens, n))
 
     def _mismatch(self, batch: RolloutBatch, old_logp: torch.Tensor) -> dict:
         """Generator vs trainer log-probs (only when the generator's exist)."""
@@ -381,12 +433,7 @@ class Trainer:
                 trainer_logp = self._logprobs(self.model, batch, with_entropy=False).logp
         else:
             trainer_logp = old_logp
-        m = batch.response_mask
-        diff = (batch.rollout_logp - trainer_logp).abs() * m
-        seq = ((batch.rollout_logp - trainer_logp) * m).sum(-1) / m.sum(-1).clamp(min=1)
-        return {"mismatch/token_abs_mean": (diff.sum() / m.sum()).item(),
-                "mismatch/token_abs_max": diff.max().item(),
-                "mismatch/seq_logratio_abs_mean": seq.abs().mean().item()}
+        return diagnostics.logprob_mismatch(batch.rollout_logp, trainer_logp, batch.response_mask)
 
     # ----------------------------------------------------------------------------- eval, save
     def evaluate(self) -> EvalResult:
@@ -397,25 +444,46 @@ class Trainer:
 
     def save(self, step: int, wall: float) -> Path:
         state = {"cursor": self.cursor.state(), "history": self.history, "wall_s": wall,
-                 "objective": self.cfg.objective.name, "init": self.init_info}
+                 "objective": self.cfg.objective.name, "init": self.init_info,
+                 "guard": self.guard.state_dict()}
         return save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.optimizer,
                                self.scheduler, state, keep=self.cfg.run.keep_checkpoints)
 
     # ----------------------------------------------------------------------------- the loop
+    def wall(self) -> float:
+        """Seconds of training so far, over all resumed sessions."""
+        return self.wall_before + time.time() - self.t_start
+
+    def stop_if_requested(self, done: int) -> None:
+        """Between steps: after SIGINT/SIGTERM (``self.stop``, a gspo.signals.GracefulStop set by
+        the CLI), save a checkpoint of the ``done`` steps, then raise Interrupted."""
+        stop = getattr(self, "stop", None)
+        if stop is None or stop.signum is None:
+            return
+        raise Interrupted(stop.signum, done, self.save(done, self.wall()), self.run_dir)
+
     def run(self) -> dict:
         self.setup()
         cfg, t_start = self.cfg, time.time()
+        self.t_start = t_start
         if "eval_before" not in self.history:
             result = self.evaluate()
             self.history["eval_before"] = result.as_dict()
             self.metrics.write({"step": 0, **result.as_metrics()})
             self.log(f"held-out before RL: accuracy {result.accuracy:.3f}  pass@1 {result.pass1:.3f}")
-        bar = tqdm(range(self.start_step, cfg.train.steps), desc=f"{cfg.objective.name}",
-                   initial=self.start_step, total=cfg.train.steps, disable=not self.progress,
-                   dynamic_ncols=True)
+        bar = tqdm(desc=f"{cfg.objective.name}", initial=self.start_step, total=cfg.train.steps,
+                   disable=not self.progress, dynamic_ncols=True)
         last_acc = self.history["eval_before"]["accuracy"]
-        for step in bar:
+        self.guard.on_start(self)
+        step = self.start_step
+        self.stop_if_requested(step)
+        while step < cfg.train.steps:
+            self.guard.before_step(self, step)
             row = self.step(step)
+            back = self.guard.after_step(self, row)     # skip restores; pause raises GuardPause
+            if back is not None:                        # rolled back to the checkpoint of step back
+                step = bar.n = back
+                continue
             done = row["step"]
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or done == cfg.train.steps:
                 result = self.evaluate()
@@ -431,6 +499,10 @@ class Trainer:
                          f"held-out acc {last_acc:.3f} clip {row.get('policy/clip_frac_tokens', 0):.4f}")
             if cfg.run.save_every and done % cfg.run.save_every == 0 and done < cfg.train.steps:
                 self.save(done, self.wall_before + time.time() - t_start)
+            self.stop_if_requested(done)
+            step += 1
+            bar.update(1)
+        bar.close()
         wall = self.wall_before + time.time() - t_start
         final = self.save(cfg.train.steps, wall)
         self.metrics.close()
@@ -444,6 +516,7 @@ class Trainer:
             "eval_before": self.history["eval_before"], "eval_after": after,
             "accuracy_gain": after["accuracy"] - self.history["eval_before"]["accuracy"],
             "cold_start": self.init_info, "final_checkpoint": str(final),
+            "data": getattr(self.task, "data_report", None),  # examples skipped (data.on_error)
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

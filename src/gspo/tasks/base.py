@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from gspo.errors import UserError
+
 SPLITS = ("train", "test")
 
 
@@ -39,7 +41,7 @@ class Task(Protocol):
     def is_correct(self, completion: str, example: Example) -> bool: ...
 
 
-class TaskDataError(ValueError):
+class TaskDataError(UserError, ValueError):
     """Bad task data, located by file and line: `a.jsonl:3: missing 'prompt'`."""
 
     def __init__(self, file: str, line: int | None, reason: str):

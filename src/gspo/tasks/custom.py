@@ -4,8 +4,10 @@ Each line of `train_file` / `test_file` is a JSON object with a string `prompt` 
 string `answer` (the SFT demonstration); every other column goes to `Example.data`. The reward is
 `module:function`, imported from the working directory or PYTHONPATH, called as
 `fn(completion, **row)` with `row` = all columns, prompt and answer included; `is_correct` is
-`reward >= correct_threshold`. Bad data raises `TaskDataError` naming file and line. This module
-does not sandbox or time out the user's function (the reward layer's business).
+`reward >= correct_threshold`. Bad data raises `TaskDataError` naming file and line, or with
+`on_error="skip"` is left out and listed in `skipped` ("file:line: reason"). With `sandbox`, the
+function runs in a limited worker process (`gspo.sandbox`) and is never imported here. Timeouts
+and error policies are the reward layer's business (`gspo.isolation`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def load_function(spec: str) -> Callable:
 
 def read_jsonl(path: str | os.PathLike) -> list[Example]:
     """Read one JSONL split; errors carry `file:line: reason`."""
+    return read_jsonl_rows(path)[0]
+
+
+def read_jsonl_rows(path: str | os.PathLike, on_error: str = "fail"
+                    ) -> tuple[list[Example], list[int], list[str]]:
+    """(examples, their line numbers, skipped "file:line: reason"); on_error: fail | skip."""
     file = str(path)
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -53,13 +61,20 @@ def read_jsonl(path: str | os.PathLike) -> list[Example]:
         raise TaskDataError(file, None, "file not found") from None
     except (OSError, UnicodeDecodeError) as e:
         raise TaskDataError(file, None, f"cannot read: {e}") from None
-    examples = []
+    examples, line_numbers, skipped = [], [], []
     for i, line in enumerate(lines, start=1):
         if line.strip():
-            examples.append(_parse_row(file, i, line))
+            try:
+                examples.append(_parse_row(file, i, line))
+                line_numbers.append(i)
+            except TaskDataError as err:
+                if on_error != "skip":
+                    raise
+                skipped.append(str(err))
     if not examples:
-        raise TaskDataError(file, None, "no examples")
-    return examples
+        raise TaskDataError(file, None, f"no usable examples ({len(skipped)} skipped)" if skipped
+                            else "no examples")
+    return examples, line_numbers, skipped
 
 
 def _parse_row(file: str, line_no: int, line: str) -> Example:
@@ -89,18 +104,33 @@ class Custom:
 
     name = "custom"
 
-    def __init__(self, train_file: str, test_file: str, reward: str, correct_threshold: float = 1.0):
+    def __init__(self, train_file: str, test_file: str, reward: str, correct_threshold: float = 1.0,
+                 on_error: str = "fail", sandbox: dict | None = None):
         """
         train_file, test_file: JSONL paths, one {"prompt": ..., "answer": ..., ...} object a line.
         reward: "module:function", called as fn(completion, **row) -> float.
         correct_threshold: a completion counts as correct when its reward is >= this.
+        on_error: a bad row fails (TaskDataError) or is skipped (listed in `skipped`).
+        sandbox: None (import and call in-process) or gspo.sandbox.Limits fields (a worker process).
         """
-        self._splits = {"train": read_jsonl(train_file), "test": read_jsonl(test_file)}
+        self._splits, self.locations, self.skipped = {}, {}, []
+        for split, file in (("train", train_file), ("test", test_file)):
+            examples, lines, skipped = read_jsonl_rows(file, on_error)
+            self._splits[split] = examples
+            self.locations[split] = [(str(file), n) for n in lines]
+            self.skipped += skipped
         overlap = {e.prompt for e in self._splits["train"]} & {e.prompt for e in self._splits["test"]}
         if overlap:
             warnings.warn(f"custom task: {len(overlap)} prompt(s) appear in both {train_file} and {test_file}")
         self.reward_spec = reward
-        self._fn = load_function(reward)
+        if sandbox is not None:
+            from gspo.sandbox import Limits, SandboxedFunction
+            self._fn = SandboxedFunction(reward, Limits(**sandbox))
+        else:
+            try:
+                self._fn = load_function(reward)
+            except ValueError as err:
+                raise ValueError(f"task.reward: {err}") from err
         self.correct_threshold = correct_threshold
 
     def split(self, name: str) -> list[Example]:

@@ -1,0 +1,259 @@
+"""Wall time per RL step: gspo vs TRL's GRPOTrainer (configured for GSPO) on the same work.
+
+Same local tiny checkpoint (built with ``gspo.models.build_model`` and saved to a temp dir), same
+prompts in the same order (arithmetic task, gspo's data cursor), same verifier as reward, and:
+
+    P prompts per step x G responses      TRL: generation_batch_size = P*G, num_generations = G
+    max new tokens                        TRL: max_completion_length
+    temperature 1, top_p 1, top_k 0       TRL: temperature, top_p, top_k
+    M minibatches = M optimizer steps     TRL: per_device_train_batch_size = P*G/M,
+      per rollout batch                        steps_per_generation = M, gradient_accumulation 1
+      (π_old recomputed: TRL does so too       (grad_accum % steps_per_generation != 0)
+      when steps_per_generation > 1)
+    GSPO: sequence-level ratio, seq-mean  TRL: importance_sampling_level="sequence", loss_type="grpo"
+    ε_low 3e-4, ε_high 4e-4, no KL        TRL: epsilon, epsilon_high, beta=0
+    AdamW, constant lr, clip 1.0          TRL: learning_rate, lr_scheduler_type="constant",
+                                               max_grad_norm=1.0
+    a log row per RL step                 gspo: metrics.jsonl + TensorBoard; TRL: logging_steps=M
+
+Both run in this one process with the same torch thread count, interleaved: TRL warm-up, gspo
+warm-up, then ``--rounds`` rounds of ``--steps`` RL steps each (gspo, then TRL). One TRL RL step
+is the wall time between the ends of its M-th optimizer steps (a Trainer callback runs gspo's
+rounds in between, outside TRL's clock); one gspo step is the body of ``Trainer.run``'s loop
+(guard, step, metrics write) without the periodic eval and checkpoint (TRL: none either).
+Tokens per second count generated tokens up to and including EOS. Nothing is downloaded
+(HF_HUB_OFFLINE=1, report_to="none", local paths). TRL is an optional extra: pip install -e .[bench]
+
+    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py                    # tiny-dense and tiny-moe
+    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --preset tiny-moe --rounds 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import torch  # noqa: E402
+
+TIME_PARTS = ("generate", "reward", "old_logprobs", "forward_backward", "optimizer", "logging", "other")
+
+
+def _args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", nargs="+", default=["tiny-dense", "tiny-moe"])
+    p.add_argument("--prompts", type=int, default=16, help="P: prompts per RL step")
+    p.add_argument("--group", type=int, default=8, help="G: responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--minibatches", type=int, default=4, help="M: optimizer steps per rollout batch")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=1, help="RL steps of each before measuring")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--steps", type=int, default=2, help="measured RL steps per round and library")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="TRL's own default (recomputes activations in backward); off: same work as gspo")
+    p.add_argument("--json", help="also write the results here")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- gspo side
+
+class GspoRunner:
+    """A gspo Trainer set up on the checkpoint; ``run(n)`` times n iterations of the train loop."""
+
+    def __init__(self, a: argparse.Namespace, checkpoint: Path, run_dir: Path):
+        from gspo.config import load_config
+        from gspo.trainer import Trainer
+        overrides = {
+            "seed": a.seed, "run.dir": str(run_dir), "run.overwrite": True, "run.progress": False,
+            "run.threads": a.threads, "model.path": str(checkpoint), "model.device": "cpu",
+            "sft.enabled": False, "task.name": "arithmetic",
+            "rollout.prompts_per_step": a.prompts, "rollout.group_size": a.group,
+            "rollout.max_new_tokens": a.max_new_tokens, "rollout.temperature": 1.0,
+            "rollout.top_p": 1.0, "rollout.top_k": 0, "objective.name": "gspo",
+            "objective.eps_low": 3e-4, "objective.eps_high": 4e-4,
+            "train.minibatches": a.minibatches, "train.lr": a.lr, "train.schedule": "constant",
+            "train.beta": 0.0, "train.grad_clip": 1.0,
+            "train.steps": a.warmup + a.rounds * a.steps,
+        }
+        from gspo.config import RunConfig
+        if "threads" not in RunConfig.model_fields:  # older gspo: threads set by main() only
+            overrides.pop("run.threads")
+        self.cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+        self.trainer = Trainer(self.cfg, log=lambda msg: None)
+        self.trainer.setup()
+        self.trainer.t_start = time.time()
+        self.step, self.seconds, self.tokens, self.rows = 0, [], [], []
+
+    def run(self, n: int, measure: bool = True) -> None:
+        t = self.trainer
+        for _ in range(n):
+            t0 = time.perf_counter()
+            t.guard.before_step(t, self.step)       # the body of Trainer.run's loop
+            row = t.step(self.step)
+            t.guard.after_step(t, row)
+            t.metrics.write(row)
+            seconds = time.perf_counter() - t0
+            if measure:
+                self.seconds.append(seconds)
+                self.tokens.append(row["response/length_mean"] * self.cfg.batch_size)
+                self.rows.append(row)
+            self.step += 1
+
+    def breakdown(self) -> dict[str, float]:
+        """Mean share of time/step_s per part over the measured steps (time/* metrics)."""
+        out = {}
+        for part in TIME_PARTS:
+            key = f"time/{part}_s"
+            vals = [r[key] / r["time/step_s"] for r in self.rows if key in r]
+            if vals:
+                out[part] = statistics.mean(vals)
+        return out
+
+
+# ----------------------------------------------------------------------------- TRL side
+
+def trl_trainer(a: argparse.Namespace, checkpoint: Path, out_dir: Path, prompts: list, task,
+                callback):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokens = []
+
+    def reward(completions, completion_ids, answer, **_):
+        tokens.append(sum(len(ids) for ids in completion_ids))
+        return [float(c.strip() == str(ans)) for c, ans in zip(completions, answer)]
+
+    reward.__name__ = task.name
+    N = a.prompts * a.group
+    config = GRPOConfig(
+        output_dir=str(out_dir), report_to="none", save_strategy="no", eval_strategy="no",
+        use_cpu=True, bf16=False, fp16=False, seed=a.seed, data_seed=a.seed,
+        max_steps=a.minibatches * (a.warmup + a.rounds * a.steps),
+        per_device_train_batch_size=N // a.minibatches, gradient_accumulation_steps=1,
+        steps_per_generation=a.minibatches, num_iterations=1, num_generations=a.group,
+        max_completion_length=a.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4,
+        beta=0.0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, scale_rewards="group", shuffle_dataset=False,
+        logging_steps=a.minibatches, disable_tqdm=True, dataloader_num_workers=0,
+        log_completions=False,
+        gradient_checkpointing=a.trl_gradient_checkpointing,  # TRL's default is True; gspo: off
+    )
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    dataset = Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer} for ex in prompts])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[callback])
+    return trainer, tokens
+
+
+def make_callback(a: argparse.Namespace, gspo: GspoRunner, results: dict):
+    from transformers import TrainerCallback
+
+    class Interleave(TrainerCallback):
+        """At each RL-step boundary, time TRL's step; at round boundaries, run a gspo round."""
+
+        def __init__(self):
+            self.mark, self.rl_step = None, 0
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.mark = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step % a.minibatches:
+                return
+            seconds = time.perf_counter() - self.mark
+            self.rl_step += 1
+            if self.rl_step > a.warmup:
+                results["trl_seconds"].append(seconds)
+                results["trl_tokens"].append(results["trl_token_log"][-1])
+            measured = self.rl_step - a.warmup
+            if measured == 0:
+                gspo.run(a.warmup, measure=False)
+            if measured >= 0 and measured % a.steps == 0 and measured < a.rounds * a.steps:
+                gspo.run(a.steps)                     # outside TRL's clock
+            self.mark = time.perf_counter()
+
+    return Interleave()
+
+
+# ----------------------------------------------------------------------------- main
+
+def bench_preset(a: argparse.Namespace, preset: str, tmp: Path) -> dict:
+    from gspo import tasks
+    from gspo.models import build_model, save_model
+    from gspo.trainer import DataCursor
+
+    checkpoint = tmp / preset
+    model, tokenizer = build_model(preset, a.seed)
+    save_model(model, tokenizer, checkpoint)
+    gspo = GspoRunner(a, checkpoint, tmp / f"{preset}-gspo")
+    task = gspo.trainer.task
+    train = task.split("train")
+    steps = a.warmup + a.rounds * a.steps
+    order = DataCursor(len(train), a.seed).take(a.prompts * steps)   # gspo's prompts, in order
+    results = {"trl_seconds": [], "trl_tokens": []}
+    trainer, token_log = trl_trainer(a, checkpoint, tmp / f"{preset}-trl", [train[i] for i in order],
+                                     task, make_callback(a, gspo, results))
+    results["trl_token_log"] = token_log
+    trainer.train()
+    g, t = statistics.median(gspo.seconds), statistics.median(results["trl_seconds"])
+    return {
+        "preset": preset, "gspo_s": gspo.seconds, "trl_s": results["trl_seconds"],
+        "gspo_median_s": g, "trl_median_s": t, "speedup": t / g,
+        "gspo_tokens_per_s": statistics.median(gspo.tokens) / g,
+        "trl_tokens_per_s": statistics.median(results["trl_tokens"]) / t,
+        "gspo_tokens_per_step": statistics.median(gspo.tokens),
+        "trl_tokens_per_step": statistics.median(results["trl_tokens"]),
+        "gspo_breakdown": gspo.breakdown(),
+    }
+
+
+def main() -> int:
+    a = _args()
+    torch.set_num_threads(a.threads)
+    import transformers
+    import trl
+    transformers.utils.logging.set_verbosity_error()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
+          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
+    print(f"P={a.prompts} G={a.group} max_new_tokens={a.max_new_tokens} M={a.minibatches} "
+          f"lr={a.lr}; warm-up {a.warmup}, {a.rounds} rounds x {a.steps} steps each, interleaved")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in a.preset:
+            r = bench_preset(a, preset, Path(tmp))
+            results.append(r)
+            print(f"\n{preset}: seconds per RL step, gspo {' '.join(f'{s:.3f}' for s in r['gspo_s'])}")
+            print(f"{preset}: seconds per RL step, TRL  {' '.join(f'{s:.3f}' for s in r['trl_s'])}")
+    print(f"\n{'preset':<11} {'gspo s/step':>11} {'TRL s/step':>11} {'TRL/gspo':>9} "
+          f"{'gspo tok/s':>10} {'TRL tok/s':>10}")
+    for r in results:
+        print(f"{r['preset']:<11} {r['gspo_median_s']:>11.3f} {r['trl_median_s']:>11.3f} "
+              f"{r['speedup']:>8.2f}x {r['gspo_tokens_per_s']:>10.0f} {r['trl_tokens_per_s']:>10.0f}")
+    for r in results:
+        shares = ", ".join(f"{k} {v:.1%}" for k, v in r["gspo_breakdown"].items())
+        print(f"gspo time shares ({r['preset']}): {shares}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Data checks before training: every example encodes with the model's tokenizer and fits its context.
+
+``prepare_task(task, cfg)`` runs once, before any model is built, on both splits:
+
+* a prompt or demonstration with characters the tokenizer cannot encode (they would silently
+  become ``<unk>``, e.g. non-ASCII text with the character tokenizer) is bad;
+* a prompt whose tokens plus the response budget (``rollout.max_new_tokens``, or the
+  demonstration + EOS when longer) exceed the model's context (``max_position_embeddings``) is bad.
+
+With ``data.on_error: fail`` the first bad example stops the run, named by ``file:line`` (custom
+JSONL) or split and index (built-in tasks). With ``skip`` bad examples are left out, counted and
+listed in ``task.data_report`` (logged, and written to summary.json under ``data``); a split left
+empty is an error either way. JSONL parse errors (bad JSON, missing or empty prompt, wrong types)
+are found by ``tasks.custom`` under the same policy and land in the same report.
+
+The returned task also guards ``reward`` / ``is_correct`` (``gspo.isolation.GuardedTask``).
+This module reads and checks data; it does not generate or transform it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+
+from gspo.errors import UserError
+from gspo.isolation import GuardedTask
+from gspo.tasks import Example, TaskDataError
+from gspo.tasks.base import pick_split
+
+SANDBOX_GRACE_S = 5.0  # in-process timeout beyond the sandbox's own wall limit, so it acts first
+MAX_LISTED = 20  # skipped examples listed by name in the report (all are counted)
+
+
+def tokenizer_and_context(cfg):
+    """The tokenizer the policy will use and its context length, without building the model."""
+    if cfg.model.path:
+        from transformers import AutoConfig, AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
+        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    else:
+        from gspo.models import build_char_tokenizer, preset_config
+        tokenizer = build_char_tokenizer()
+        config = preset_config(cfg.model.preset, len(tokenizer), cfg.model.overrides)
+    return tokenizer, getattr(config, "max_position_embeddings", None)
+
+
+def _unencodable(tokenizer, text: str, ids: list[int]) -> str | None:
+    """The characters of ``text`` that map to the unknown token, if any."""
+    unk = tokenizer.unk_token_id
+    if unk is None or unk not in ids or (tokenizer.unk_token and tokenizer.unk_token in text):
+        return None
+    bad = [ch for ch in dict.fromkeys(text)
+           if unk in tokenizer(ch, add_special_tokens=False)["input_ids"]]
+    return "".join(bad) or "?"
+
+
+def example_problems(examples: list[Example], tokenizer, context: int | None,
+                     max_new_tokens: int) -> dict[int, str]:
+    """index -> reason, for examples the tokenizer cannot encode or the context cannot hold."""
+    if not examples:
+        return {}
+    prompts = tokenizer([ex.prompt for ex in examples])["input_ids"]  # with BOS, as in rollouts
+    answers = tokenizer([ex.answer for ex in examples], add_special_tokens=False)["input_ids"]
+    problems = {}
+    for i, (ex, p, a) in enumerate(zip(examples, prompts, answers)):
+        for field, text, ids in (("prompt", ex.prompt, p), ("answer", ex.answer, a)):
+            if (bad := _unencodable(tokenizer, text, ids)) is not None:
+                problems[i] = f"{field} has characters the tokenizer cannot encode: {bad!r}"
+                break
+        else:
+            response = max(max_new_tokens, len(a) + 1)
+            if context is not None and len(p) + response > context:
+                problems[i] = (f"prompt of {len(p)} tokens + {response} response tokens "
+                               f"(rollout.max_new_tokens or answer + EOS) exceed the model's "
+                               f"context of {context}")
+    return problems
+
+
+class CheckedTask(GuardedTask):
+    """A guarded task whose splits hold only the examples that passed the checks."""
+
+    def __init__(self, task, splits: dict[str, list[Example]], report: dict, **guard):
+        super().__init__(task, **guard)
+        self._checked, self.data_report = splits, report
+
+    def split(self, name: str) -> list[Example]:
+        return pick_split(self.inner.name, self._checked, name)
+
+
+def _where(task, split: str, i: int, ex: Example) -> tuple[str, int | None]:
+    locations = getattr(task, "locations", None)
+    if locations:
+        return locations[split][i]
+    return f"task {task.name} {split} example {i + 1} ({ex.prompt[:40]!r})", None
+
+
+def prepare_task(task, cfg, log=None) -> CheckedTask:
+    """Check both splits against the tokenizer and context; apply ``data.on_error``."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    tokenizer, context = tokenizer_and_context(cfg)
+    skip = cfg.data.on_error == "skip"
+    listed = list(getattr(task, "skipped", []))  # JSONL rows the task itself refused
+    splits, counts = {}, {}
+    for split in ("train", "test"):
+        examples = task.split(split)
+        problems = example_problems(examples, tokenizer, context, cfg.rollout.max_new_tokens)
+        for i, reason in problems.items():
+            file, line = _where(task, split, i, examples[i])
+            if not skip:
+                raise TaskDataError(file, line, f"{reason} (data.on_error=fail; skip drops such examples)")
+            listed.append(str(TaskDataError(file, line, reason)))
+        splits[split] = [ex for i, ex in enumerate(examples) if i not in problems]
+        counts[split] = {"kept": len(splits[split]), "skipped": len(problems)}
+        if not splits[split]:
+            raise UserError(f"task {task.name}: every {split} example was skipped ({len(problems)}); "
+                            f"first: {listed[-1] if listed else '?'}")
+    parsed = len(getattr(task, "skipped", []))
+    report = {"on_error": cfg.data.on_error, "splits": counts, "skipped_rows": parsed,
+              "skipped_total": parsed + sum(c["skipped"] for c in counts.values()),
+              "skipped": listed[:MAX_LISTED]}
+    if report["skipped_total"]:
+        log(f"data: skipped {report['skipped_total']} bad example(s) (data.on_error=skip; "
+            f"{parsed} unparsable rows, {counts['train']['skipped']} train / "
+            f"{counts['test']['skipped']} test examples failing the tokenizer/context check); "
+            f"first: {listed[0]} (counts and the first {MAX_LISTED} in summary.json, 'data')")
+    return CheckedTask(task, splits, report, **guard_options(cfg.reward))
+
+
+def guard_options(policy) -> dict:
+    """GuardedTask / GuardedReward keywords from the ``reward:`` config section."""
+    timeout = policy.timeout_s + (SANDBOX_GRACE_S if policy.sandbox else 0.0)
+    return {"on_error": policy.on_error, "timeout_s": timeout, "max_hung": policy.max_hung}
+
+
+def build_task(cfg) -> CheckedTask:
+    """The configured task, its data checked (``prepare_task``)."""
+    from gspo import tasks
+    t = cfg.task
+    if t.name == "custom":
+        sandbox = None
+        if cfg.reward.sandbox:
+            from gspo.rewards import sandbox_limits
+            sandbox = asdict(sandbox_limits(cfg.reward))
+        task = tasks.build("custom", train_file=t.train_file, test_file=t.test_file,
+                           reward=t.reward, correct_threshold=t.correct_threshold,
+                           on_error=cfg.data.on_error, sandbox=sandbox)
+    else:
+        sizes = {k: v for k, v in (("n_train", t.n_train), ("n_test", t.n_test)) if v is not None}
+        try:
+            task = tasks.build(t.name, seed=cfg.seed, **sizes, **t.params)
+        except (ValueError, TypeError) as err:  # the generator's options come from task.params
+            raise UserError(f"task.params: {err}") from None
+    return prepare_task(task, cfg)

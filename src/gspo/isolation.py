@@ -1,0 +1,267 @@
+"""Reward fault isolation: a reward call that fails costs one sample, never the run, unless asked.
+
+A reward source fails on a sample when it raises, hangs past ``reward.timeout_s``, or returns
+None, a non-number, NaN or Inf. ``GuardedReward`` scores each sample separately for sources that
+allow it (verifiers and functions; a reward model scores the batch, and fails as a batch),
+collects the failures and applies ``reward.on_error``:
+
+* ``fail`` (default): ``RewardError`` naming the source, the sample, its prompt and completion;
+* ``zero``: the failed source scores 0 for that sample;
+* ``drop``: the sample's total reward is NaN. ``advantages_with_drops`` gives it advantage 0,
+  normalises the rest of its group among themselves (a group left with fewer than 2 samples has
+  no signal) and zeroes its response mask, so it leaves the loss exactly as a response dropped by
+  ``train.mask_truncated`` does; the loss normalisers count only the remaining responses.
+
+Either way the number of failed samples is logged per step as ``reward/errors``.
+
+Timeouts run the call in a worker thread; a call still running after the timeout is abandoned
+(Python cannot kill a thread) and a fresh worker takes the next call. At most ``reward.max_hung``
+such threads are tolerated per run. Code that can hang or that executes model output belongs in
+``reward.sandbox`` (``gspo.sandbox``: a killable, limited process). This module does not decide
+what a reward means, and never retries.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from gspo.advantages import group_advantages
+from gspo.errors import RewardError, RewardFault
+
+MAX_LOGGED = 5  # failure messages printed per reward source and run (all are counted)
+
+
+@dataclass
+class _Job:
+    fn: object
+    args: tuple
+    kwargs: dict
+    done: threading.Event = field(default_factory=threading.Event)
+    value: object = None
+    error: BaseException | None = None
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        try:
+            job.value = job.fn(*job.args, **job.kwargs)
+        except BaseException as err:  # noqa: BLE001  handed to the caller
+            job.error = err
+        job.done.set()
+
+
+class TimedCaller:
+    """``caller(fn, *args)``: the result, or ``RewardFault`` when it has not returned in ``timeout_s``."""
+
+    def __init__(self, timeout_s: float | None, max_hung: int = 8):
+        self.timeout_s, self.max_hung, self.hung = timeout_s, max_hung, 0
+        self._jobs: queue.SimpleQueue | None = None
+
+    def __call__(self, fn, *args, **kwargs):
+        if not self.timeout_s:
+            return fn(*args, **kwargs)
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
+                             name="gspo-reward").start()
+        job = _Job(fn, args, kwargs)
+        self._jobs.put(job)
+        if not job.done.wait(self.timeout_s):
+            self._jobs = None  # abandon the stuck worker (a daemon thread); the next call gets a new one
+            self.hung += 1
+            if self.hung > self.max_hung:
+                raise RewardError(
+                    f"reward calls hung {self.hung} times (reward.timeout_s={self.timeout_s:g}); each "
+                    f"leaves a thread running, so the run stops here. Fix the reward function or set "
+                    f"reward.sandbox=true to run it in a process that can be killed")
+            raise RewardFault(f"timed out after {self.timeout_s:g} s")
+        if job.error is not None:
+            raise job.error
+        return job.value
+
+
+def check_value(value) -> float:
+    """A finite real number as float, else RewardFault saying what came back."""
+    if value is None:
+        raise RewardFault("returned None, expected a number")
+    if not isinstance(value, numbers.Real):
+        raise RewardFault(f"returned {type(value).__name__} {repr(value)[:60]}, expected a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RewardFault(f"returned a non-finite value {value}")
+    return value
+
+
+def describe(err: BaseException) -> str:
+    """One line about a failed call: our own faults as they are, user exceptions with their type."""
+    if isinstance(err, RewardFault):
+        return str(err)
+    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+class GuardedSource:
+    """One reward source scored sample by sample (or as a batch), failures as (index, reason)."""
+
+    def __init__(self, source, caller: TimedCaller):
+        self.source, self.name, self.caller = source, source.name, caller
+        self.per_sample = getattr(source, "per_sample", False)
+
+    def __call__(self, completions: list[str], examples: list) -> tuple[list[float], dict[int, str]]:
+        n, faults = len(completions), {}
+        values = [math.nan] * n
+        if not self.per_sample:
+            try:
+                out = list(self.source(completions, examples))
+                if len(out) != n:
+                    raise RewardFault(f"returned {len(out)} values for {n} completions")
+            except (Exception, SystemExit) as err:  # noqa: BLE001
+                return values, {i: describe(err) for i in range(n)}
+            for i, v in enumerate(out):
+                try:
+                    values[i] = check_value(v)
+                except RewardFault as err:
+                    faults[i] = str(err)
+            return values, faults
+        for i, (c, ex) in enumerate(zip(completions, examples)):
+            try:
+                values[i] = check_value(self.caller(self.source, [c], [ex])[0])
+            except RewardError:
+                raise
+            except (Exception, SystemExit) as err:  # noqa: BLE001  isolated to this sample
+                faults[i] = describe(err)
+        return values, faults
+
+
+class GuardedReward:
+    """``CombinedReward`` with per-sample fault isolation and the ``on_error`` policy."""
+
+    def __init__(self, combined, *, on_error: str = "fail", timeout_s: float | None = 30.0,
+                 max_hung: int = 8, log=None):
+        if on_error not in ("fail", "zero", "drop"):
+            raise ValueError(f"reward.on_error must be fail, zero or drop; got {on_error!r}")
+        self.caller = TimedCaller(timeout_s, max_hung)
+        self.sources = [(GuardedSource(s, self.caller), w) for s, w in combined.sources]
+        self.on_error = on_error
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.logged: dict[str, int] = {}
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {s.name: w for s, w in self.sources}
+
+    def __call__(self, completions: list[str], examples: list):
+        from gspo.rewards import RewardResult
+        n = len(completions)
+        if len(examples) != n:
+            raise ValueError(f"got {n} completions but {len(examples)} examples")
+        total = torch.zeros(n, dtype=torch.float32)                        # [N]
+        failed = torch.zeros(n, dtype=torch.bool)                          # [N]
+        per_source = {}
+        for source, weight in self.sources:
+            values, faults = source(completions, examples)
+            for i, reason in faults.items():
+                self._report(source.name, i, completions[i], examples[i], reason)
+            r = torch.tensor(values, dtype=torch.float32)                  # [N], NaN where failed
+            if faults:
+                failed[list(faults)] = True
+                if self.on_error == "zero":
+                    r = torch.nan_to_num(r, nan=0.0)
+            per_source[source.name] = r
+            total += weight * torch.nan_to_num(r, nan=0.0)
+        if self.on_error == "drop":
+            total[failed] = math.nan
+        return RewardResult(total=total, per_source=per_source, errors=failed)
+
+    def _report(self, name: str, i: int, completion: str, example, reason: str) -> None:
+        what = (f"reward {name!r} failed on sample {i} (prompt {example.prompt[:60]!r}, "
+                f"completion {completion[:60]!r}): {reason}")
+        if self.on_error == "fail":
+            raise RewardError(f"{what}. reward.on_error=fail: fix the reward, or set "
+                              f"reward.on_error=zero or drop to continue past such samples")
+        self.logged[name] = self.logged.get(name, 0) + 1
+        if self.logged[name] <= MAX_LOGGED:
+            last = " (further failures of this source are only counted, in reward/errors)" \
+                if self.logged[name] == MAX_LOGGED else ""
+            self.log(f"warning: {what}; reward.on_error={self.on_error}{last}")
+
+
+class GuardedTask:
+    """A task whose ``reward`` / ``is_correct`` (user code for a custom task) cannot stall or crash
+    evaluation: a failure scores 0 / incorrect, or raises RewardError under ``on_error=fail``."""
+
+    def __init__(self, task, *, on_error: str = "fail", timeout_s: float | None = 30.0,
+                 max_hung: int = 8):
+        self.inner, self.on_error = task, on_error
+        self.caller = TimedCaller(timeout_s, max_hung)
+
+    def __getattr__(self, name):  # everything else is the task's own (name, split, data...)
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _guarded(self, what: str, fn, completion: str, example, failed):
+        try:
+            return self.caller(fn, completion, example)
+        except RewardError:
+            raise
+        except (Exception, SystemExit) as err:  # noqa: BLE001
+            if self.on_error == "fail":
+                raise RewardError(f"task {self.inner.name!r} {what} failed (prompt "
+                                  f"{example.prompt[:60]!r}, completion {completion[:60]!r}): "
+                                  f"{describe(err)}. reward.on_error=fail") from None
+            return failed
+
+    def reward(self, completion: str, example) -> float:
+        checked = lambda c, ex: check_value(self.inner.reward(c, ex))  # noqa: E731
+        return self._guarded("reward", checked, completion, example, 0.0)
+
+    def is_correct(self, completion: str, example) -> bool:
+        return bool(self._guarded("is_correct", self.inner.is_correct, completion, example, False))
+
+
+def masked_group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "group",
+                            eps: float = 1e-6) -> torch.Tensor:
+    """``group_advantages`` where NaN rewards (dropped samples) take no part and get 0.
+
+    Without NaN this is exactly ``group_advantages``. With some, each group's mean and
+    Bessel-corrected std use only its remaining samples (``scale=batch``: all remaining samples);
+    a group left with fewer than 2, or with equal rewards, has no signal.
+    """
+    valid = torch.isfinite(rewards)                                        # [N]
+    if bool(valid.all()):
+        return group_advantages(rewards, group_size, scale=scale, eps=eps)
+    v = valid.view(-1, group_size).float()                                 # [P, G]
+    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size).float()
+    n = v.sum(-1, keepdim=True)                                            # [P, 1] remaining
+    mean = (r * v).sum(-1, keepdim=True) / n.clamp(min=1)
+    centred = (r - mean) * v                                               # [P, G]
+    if scale == "group":
+        std = ((centred ** 2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        centred = centred / (std + eps)
+    elif scale == "batch":
+        kept = rewards[valid].float()
+        std = kept.std() if kept.numel() > 1 else torch.zeros((), device=rewards.device)
+        centred = centred / (std + eps)
+    hi = torch.where(v > 0, r, torch.full_like(r, -math.inf)).amax(-1, keepdim=True)
+    lo = torch.where(v > 0, r, torch.full_like(r, math.inf)).amin(-1, keepdim=True)
+    flat = (hi == lo) | (n < 2)                                            # [P, 1] no signal
+    return torch.where(flat, torch.zeros_like(centred), centred).view(-1)  # [N]
+
+
+def advantages_with_drops(batch, rewards: torch.Tensor, group_size: int, *, scale: str = "group",
+                          eps: float = 1e-6) -> torch.Tensor:
+    """``masked_group_advantages`` [N]; with dropped samples (NaN rewards) also marks them in
+    ``batch.extras["dropped"]`` [N] bool, which the trainer removes from the loss mask (the
+    response mask itself stays as generated)."""
+    dropped = ~torch.isfinite(rewards)                                     # [N]
+    if bool(dropped.any()):
+        batch.extras["dropped"] = dropped
+    return masked_group_advantages(rewards, group_size, scale=scale, eps=eps)

@@ -1,0 +1,172 @@
+"""Preflight: the checks of user input that can be made before any model is built or file written.
+
+``check_train(cfg, resume)`` looks at what the config points to: the files it names (task data,
+``model.path``, reward models), the model architecture (preset overrides, MoE switches), and the
+output folders (a previous run, writable, enough free space for the checkpoints). Data and reward
+code are checked when the ``Trainer`` builds its task and rewards, also before any model, and
+``check_rewards`` scores a few training demonstrations with every reward source.
+``user_input()`` turns the errors those raise into one-line ``UserError``s: a ValueError or
+OSError *inside* training is a bug and keeps its traceback.
+
+Every message names the config key (``task.train_file``, ``run.dir``...) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from gspo.errors import UserError
+
+MB = 1 << 20
+MIN_FREE_MB = 64  # logs, plots, events: beyond the checkpoints themselves
+
+
+@contextlib.contextmanager
+def user_input(context: str | None = None):
+    """Within: ValueError / TypeError / OSError are the user's input, re-raised as UserError."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (ValueError, TypeError, OSError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, OSError) and err.filename and str(err.filename) not in message:
+            message = f"{err.filename}: {message}"
+        raise UserError(f"{context}: {message}" if context else message) from None
+
+
+def check_train(cfg, resume: bool = False) -> None:
+    """Everything about ``cfg`` that can be wrong before a model is built; raises UserError."""
+    check_files(cfg)
+    check_model(cfg)
+    check_run_dir(cfg, resume)
+
+
+# ------------------------------------------------------------------------------------ files
+def check_checkpoint(key: str, path: str) -> None:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise UserError(f"{key}: {path!r} is not a transformers checkpoint (no config.json)")
+    if not any(p.glob("*.safetensors")):
+        raise UserError(f"{key}: {path!r} has no *.safetensors weights (gspo loads weights only "
+                        f"from safetensors, never from pickled .bin files)")
+
+
+def check_files(cfg) -> None:
+    """Files named by the config exist (the config file itself is checked when read)."""
+    if cfg.task.name == "custom":
+        for key in ("train_file", "test_file"):
+            path = getattr(cfg.task, key)
+            if not Path(path).is_file():
+                raise UserError(f"task.{key}: no such file {path!r}")
+    if cfg.model.path:
+        check_checkpoint("model.path", cfg.model.path)
+    for i, spec in enumerate(cfg.rewards):
+        if spec.type == "model":
+            check_checkpoint(f"rewards[{i}].path", spec.path)
+
+
+# ------------------------------------------------------------------------------------ model
+def _model_config(cfg):
+    if cfg.model.path:
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    from gspo.models import build_char_tokenizer, preset_config
+    return preset_config(cfg.model.preset, len(build_char_tokenizer()), cfg.model.overrides)
+
+
+def check_model(cfg) -> None:
+    """The architecture can be built as configured and supports the MoE switches asked for."""
+    with user_input():
+        config = _model_config(cfg)
+    if cfg.moe.routing_replay != "none" or cfg.moe.aux_loss_coef > 0:
+        from gspo.moe import ROUTER_CLASSES
+        if config.model_type not in ROUTER_CLASSES:
+            key = "moe.routing_replay" if cfg.moe.routing_replay != "none" else "moe.aux_loss_coef"
+            raise UserError(f"{key}: needs a Mixture-of-Experts model; model type "
+                            f"{config.model_type!r} is not one (supported: "
+                            f"{', '.join(sorted(ROUTER_CLASSES))}; e.g. model.preset=tiny-moe)")
+
+
+def checkpoint_bytes(cfg) -> int:
+    """About how much one checkpoint takes: weights + AdamW's two moments (same dtype)."""
+    if cfg.model.path:
+        weights = sum(p.stat().st_size for p in Path(cfg.model.path).glob("*.safetensors"))
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):  # shapes only, no memory
+            model = AutoModelForCausalLM.from_config(_model_config(cfg))
+        size = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
+        weights = sum(p.numel() for p in model.parameters()) * size
+    return 3 * weights
+
+
+# ------------------------------------------------------------------------------------ output
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _probe_writable(key: str, folder: Path) -> None:
+    """Create and remove a file in the nearest existing folder (permissions, read-only mounts)."""
+    base = _existing_ancestor(folder)
+    if not base.is_dir():
+        raise UserError(f"{key}: cannot create {str(folder)!r}: {str(base)!r} is a file, not a folder")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".gspo-probe-", dir=base)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        raise UserError(f"{key}: cannot write to {str(base)!r} ({err.strerror or err}); choose a "
+                        f"writable folder") from None
+
+
+def check_run_dir(cfg, resume: bool) -> None:
+    """run.dir (and the SFT cache) can be written, holds no other run, and has room."""
+    run = Path(cfg.run.dir)
+    if run.exists() and not run.is_dir():
+        raise UserError(f"run.dir: {str(run)!r} exists and is not a folder")
+    if not resume and not cfg.run.overwrite:
+        previous = [n for n in ("metrics.jsonl", "checkpoints", "summary.json") if (run / n).exists()]
+        if previous:
+            raise UserError(f"run.dir {run} already holds a run ({', '.join(previous)}): use "
+                            f"--resume {run} to continue it, run.overwrite=true to replace it, "
+                            f"or another run.dir")
+    _probe_writable("run.dir", run)
+    if cfg.sft.enabled and cfg.sft.steps > 0:
+        _probe_writable("sft.cache_dir", Path(cfg.sft.cache_dir))
+    need = checkpoint_bytes(cfg) * (cfg.run.keep_checkpoints + 2) + MIN_FREE_MB * MB
+    free = shutil.disk_usage(_existing_ancestor(run)).free
+    if free < need:
+        raise UserError(f"run.dir: only {free / MB:.0f} MB free on the file system of "
+                        f"{str(_existing_ancestor(run))!r}; about {need / MB:.0f} MB are needed "
+                        f"({cfg.run.keep_checkpoints} kept + the final + one being written, "
+                        f"see run.keep_checkpoints)")
+
+
+# ------------------------------------------------------------------------------------ rewards
+PROBES = 2  # training demonstrations scored before training
+
+
+def check_rewards(rewards, examples: list) -> None:
+    """Score the first training demonstrations with every reward source: one that fails on all
+    of them (a wrong signature, a missing column...), or on any under ``reward.on_error=fail``,
+    is reported now instead of failing mid-run or silently scoring every sample 0."""
+    from gspo.isolation import GuardedSource
+    probe = examples[:PROBES]
+    for source, _ in getattr(rewards, "sources", []):
+        if not isinstance(source, GuardedSource) or not probe:
+            continue
+        _, faults = source([ex.answer for ex in probe], probe)
+        if faults and (len(faults) == len(probe) or rewards.on_error == "fail"):
+            i, reason = next(iter(faults.items()))
+            raise UserError(f"rewards: {source.name!r} fails on the demonstration of training "
+                            f"example {i + 1} (prompt {probe[i].prompt[:60]!r}, answer "
+                            f"{probe[i].answer[:60]!r}): {reason}")

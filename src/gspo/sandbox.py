@@ -1,0 +1,236 @@
+"""A user reward function in a separate process, with CPU-time, memory, file-size and wall-clock
+limits and no network: for reward code that executes model-written text.
+
+None of the built-in rewards executes model output: ``countdown`` parses completions with ``ast``
+against a whitelist and evaluates them exactly with ``Fraction``; the others compare strings. A
+user function that runs generated code (``exec``, ``subprocess``, a Python interpreter...) should
+be configured with ``reward.sandbox: true``; it then runs here.
+
+``SandboxedFunction("module:function", limits)`` is called like the function,
+``fn(completion, **row)``. One worker process (``python -m gspo.sandbox``) imports the function
+once and serves calls over JSON lines on stdin/stdout: nothing is pickled either way. Per call:
+
+* wall clock: the parent waits ``wall_s``, then kills the worker's process group and starts a
+  fresh one for the next call (the call fails with ``RewardFault``);
+* CPU time: the worker sets its soft ``RLIMIT_CPU`` to what it has used plus ``cpu_s`` before
+  each call; going past it kills the worker (SIGXCPU);
+* memory: ``RLIMIT_AS`` of ``memory_mb`` for the whole worker (a ``MemoryError`` in the user's
+  code fails that call only); written files are capped at ``file_mb``, core dumps off;
+* network: a new network namespace (``unshare``) when the kernel allows it, and in every case
+  the ``socket`` module's constructors raise ``PermissionError``. ``isolation`` says which.
+
+Not a jail: the worker sees the file system with the user's permissions and inherits only
+PATH, HOME, LANG and PYTHONPATH from the environment. The worker's stdout and stderr (the user
+function's prints) are discarded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import math
+import numbers
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from gspo.errors import RewardFault
+
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+STARTUP_S = 60.0  # importing the user's module may take a while
+KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
+
+
+@dataclass
+class Limits:
+    """Per-call limits of the sandbox worker."""
+
+    wall_s: float = 10.0
+    cpu_s: float = 10.0
+    memory_mb: int = 1024
+    file_mb: int = 16
+
+
+class SandboxedFunction:
+    """``fn(completion, **row) -> value`` run in a limited worker process; faults raise ``RewardFault``."""
+
+    def __init__(self, spec: str, limits: Limits | None = None):
+        self.spec, self.limits = spec, limits or Limits()
+        self.__qualname__ = spec  # FunctionReward names its source after this
+        self.isolation: str | None = None
+        self._proc: subprocess.Popen | None = None
+        self._buf = b""
+        try:
+            self._start()
+        except RewardFault as err:  # at build time this is a configuration problem
+            raise ValueError(f"reward sandbox: {err}") from None
+
+    # -------------------------------------------------------------------------------- parent
+    def __call__(self, completion: str, **row):
+        if self._proc is None:
+            self._start()
+        request = json.dumps({"completion": completion, "row": row}, default=repr) + "\n"
+        try:
+            self._proc.stdin.write(request.encode())
+            self._proc.stdin.flush()
+            reply = self._readline(time.monotonic() + self.limits.wall_s)
+        except TimeoutError:
+            self.close()
+            raise RewardFault(f"timed out after {self.limits.wall_s:g} s (sandbox worker killed)") from None
+        except (EOFError, BrokenPipeError, OSError):
+            raise RewardFault(f"sandbox worker died: {self._death()}") from None
+        if "error" in reply:
+            raise RewardFault(reply["error"])
+        if "type" in reply:
+            raise RewardFault(f"returned {reply['type']} {reply['repr']}, expected a number")
+        return reply.get("value")  # None (the function returned None) or a float, maybe NaN
+
+    def _start(self) -> None:
+        env = {k: os.environ[k] for k in KEEP_ENV if k in os.environ}
+        paths = [os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        config = json.dumps({"spec": self.spec, **asdict(self.limits)})
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "gspo.sandbox", config], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        self._buf = b""
+        try:
+            ready = self._readline(time.monotonic() + STARTUP_S)
+        except (TimeoutError, EOFError, OSError):
+            raise RewardFault(f"sandbox worker for {self.spec!r} did not start: {self._death()}") from None
+        if not ready.get("ready"):
+            self.close()
+            raise RewardFault(ready.get("error", "worker refused to start"))
+        self.isolation = ready["network"]
+
+    def _readline(self, deadline: float) -> dict:
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            if select.select([fd], [], [], remaining)[0]:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise EOFError
+                self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def _death(self) -> str:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return "not running"
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            return "unresponsive (killed)"
+        if code == -signal.SIGXCPU:
+            return f"exceeded the CPU-time limit of {self.limits.cpu_s:g} s"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name} (memory limit {self.limits.memory_mb} MB?)"
+        return f"exited with status {code}"
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _kill(proc)
+
+    def __del__(self):
+        self.close()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker and anything it started
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()
+
+
+# ------------------------------------------------------------------------------------ worker
+def _no_network() -> str:
+    """Cut the network: a fresh network namespace if allowed; always disable ``socket``."""
+    isolation = "socket-patch"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for flags in (CLONE_NEWNET, CLONE_NEWUSER | CLONE_NEWNET):
+            if libc.unshare(flags) == 0:
+                isolation = "namespace"
+                break
+    except (OSError, AttributeError):
+        pass
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("network access is disabled in the gspo reward sandbox")
+
+    for name in ("socket", "create_connection", "create_server", "getaddrinfo", "fromfd", "socketpair"):
+        setattr(socket, name, refuse)
+    return isolation
+
+
+def _import(spec: str):
+    module, _, attr = spec.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{spec!r} is not callable")
+    return obj
+
+
+def _encode(value) -> dict:
+    if value is None:
+        return {"value": None}
+    if isinstance(value, numbers.Real):
+        return {"value": float(value)}  # NaN / Infinity travel as JSON extensions
+    return {"type": type(value).__name__, "repr": repr(value)[:80]}
+
+
+def _worker(config: dict) -> None:
+    proto = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # the user's prints must not corrupt the protocol
+    sys.stdout = sys.stderr
+
+    def send(obj: dict) -> None:
+        proto.write(json.dumps(obj).encode() + b"\n")
+
+    network = _no_network()
+    mem, fsize = config["memory_mb"] << 20, config["file_mb"] << 20
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:
+        fn = _import(config["spec"])
+    except BaseException as err:  # noqa: BLE001  the user's module, whatever it raises
+        send({"ready": False, "error": f"cannot import {config['spec']!r}: {type(err).__name__}: {err}"})
+        return
+    send({"ready": True, "network": network})
+    _, cpu_hard = resource.getrlimit(resource.RLIMIT_CPU)
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        soft = math.ceil(usage.ru_utime + usage.ru_stime + config["cpu_s"])
+        if cpu_hard != resource.RLIM_INFINITY:
+            soft = min(soft, cpu_hard)
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_hard))
+        try:
+            reply = _encode(fn(request["completion"], **request["row"]))
+        except BaseException as err:  # noqa: BLE001  isolated to this call
+            reply = {"error": f"{type(err).__name__}: {err}"[:500]}
+        send(reply)
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))
