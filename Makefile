@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# `make train` re-runs the main job from scratch each time (replacing runs/default; the cold
+# start is cached). Extra overrides: make train ARGS="objective.name=grpo seed=1".
 train: $(STAMP)
-	$(BIN)/gspo train configs/default.yaml $(ARGS)
+	$(BIN)/gspo train configs/default.yaml run.overwrite=true $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
