@@ -1,7 +1,9 @@
 """Wall time per RL step: gspo vs TRL's GRPOTrainer (configured for GSPO) on the same work.
 
 Same local tiny checkpoint (built with ``gspo.models.build_model`` and saved to a temp dir), same
-prompts in the same order (arithmetic task, gspo's data cursor), same verifier as reward, and:
+prompts in the same order (arithmetic task, gspo's data cursor), same reward (``--reward verifier``:
+the task's exact-match check, 0 everywhere for an untrained model; ``parity``: varies inside nearly
+every group), and:
 
     P prompts per step x G responses      TRL: generation_batch_size = P*G, num_generations = G
     max new tokens                        TRL: max_completion_length
@@ -24,8 +26,10 @@ rounds in between, outside TRL's clock); one gspo step is the body of ``Trainer.
 Tokens per second count generated tokens up to and including EOS. Nothing is downloaded
 (HF_HUB_OFFLINE=1, report_to="none", local paths). TRL is an optional extra: pip install -e .[bench]
 
-    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py                    # tiny-dense and tiny-moe
-    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --preset tiny-moe --rounds 5 --json out.json
+    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --rounds 10 --steps 1     # tiny-dense, tiny-moe
+    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --reward parity --preset tiny-moe --json out.json
+
+Figures and how to read them: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -66,8 +70,19 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="TRL's own default (recomputes activations in backward); off: same work as gspo")
+    p.add_argument("--reward", choices=["verifier", "parity"], default="verifier",
+                   help="verifier: the arithmetic task's exact-match check (0 everywhere for an "
+                        "untrained model: no group has a signal); parity: the first character's "
+                        "code point is odd (varies inside nearly every group)")
+    p.add_argument("--gspo-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra gspo config overrides, e.g. train.skip_zero_advantage=false")
     p.add_argument("--json", help="also write the results here")
     return p.parse_args(argv)
+
+
+def first_char_parity(completion: str, **row) -> float:
+    """A verifiable reward that varies inside a group even for an untrained model."""
+    return float(ord(completion[0]) % 2) if completion else 0.0
 
 
 # ----------------------------------------------------------------------------- gspo side
@@ -91,9 +106,11 @@ class GspoRunner:
             "train.steps": a.warmup + a.rounds * a.steps,
         }
         from gspo.config import RunConfig
-        if "threads" not in RunConfig.model_fields:  # older gspo: threads set by main() only
+        if "threads" not in RunConfig.model_fields:  # an older gspo (before/after figures)
             overrides.pop("run.threads")
-        self.cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+        if a.reward == "parity":
+            overrides["rewards"] = "[{type: function, fn: 'vs_trl:first_char_parity'}]"
+        self.cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()] + a.gspo_set)
         self.trainer = Trainer(self.cfg, log=lambda msg: None)
         self.trainer.setup()
         self.trainer.t_start = time.time()
@@ -106,7 +123,11 @@ class GspoRunner:
             t.guard.before_step(t, self.step)       # the body of Trainer.run's loop
             row = t.step(self.step)
             t.guard.after_step(t, row)
-            t.metrics.write(row)
+            if hasattr(t, "log_row"):
+                t.time_iteration(row, t0)
+                t.log_row(row)
+            else:                                   # an older gspo (before/after figures)
+                t.metrics.write(row)
             seconds = time.perf_counter() - t0
             if measure:
                 self.seconds.append(seconds)
@@ -137,9 +158,11 @@ def trl_trainer(a: argparse.Namespace, checkpoint: Path, out_dir: Path, prompts:
 
     def reward(completions, completion_ids, answer, **_):
         tokens.append(sum(len(ids) for ids in completion_ids))
-        return [float(c.strip() == str(ans)) for c, ans in zip(completions, answer)]
+        if a.reward == "parity":
+            return [first_char_parity(c) for c in completions]
+        return [float(c.strip() == str(ans)) for c, ans in zip(completions, answer)]  # the verifier
 
-    reward.__name__ = task.name
+    reward.__name__ = a.reward
     N = a.prompts * a.group
     config = GRPOConfig(
         output_dir=str(out_dir), report_to="none", save_strategy="no", eval_strategy="no",

@@ -75,3 +75,72 @@ def test_bad_scale_and_registry():
     assert advantages.get("group") is group_advantages
     with pytest.raises(ValueError, match="group"):
         advantages.get("gae")
+
+
+# ----------------------------------------------------------------------------- GAE (PPO)
+
+def _slow_gae(r, v, m, gamma, lam):
+    """Reference: per row, the textbook backwards recursion over its unmasked positions only."""
+    N, T = len(r), len(r[0])
+    adv, ret = [[0.0] * T for _ in range(N)], [[0.0] * T for _ in range(N)]
+    for i in range(N):
+        next_v = next_a = 0.0                   # after the last token: terminal, V = 0
+        for t in reversed([t for t in range(T) if m[i][t] > 0]):
+            delta = r[i][t] + gamma * next_v - v[i][t]
+            next_a = delta + gamma * lam * next_a
+            next_v = v[i][t]
+            adv[i][t], ret[i][t] = next_a, next_a + v[i][t]
+    return torch.tensor(adv), torch.tensor(ret)
+
+
+def test_gae_hand_numbers():
+    # one response of 3 tokens, reward 1 on the last, V = (0.5, 0.6, 0.8), γ = 1
+    # λ = 1: Â_t = R − V_t = (0.5, 0.4, 0.2), returns all 1 (Monte Carlo)
+    # λ = 0: Â_t = δ_t = (0.6 − 0.5, 0.8 − 0.6, 1 − 0.8) = (0.1, 0.2, 0.2), returns = r_t + V_{t+1}
+    r, v, m = torch.tensor([[0.0, 0, 1]]), torch.tensor([[0.5, 0.6, 0.8]]), torch.ones(1, 3)
+    adv, ret = advantages.gae(r, v, m, 1.0, 1.0)
+    assert adv[0].tolist() == pytest.approx([0.5, 0.4, 0.2]) and ret[0].tolist() == pytest.approx([1, 1, 1])
+    adv, ret = advantages.gae(r, v, m, 1.0, 0.0)
+    assert adv[0].tolist() == pytest.approx([0.1, 0.2, 0.2])
+    assert ret[0].tolist() == pytest.approx([0.6, 0.8, 1.0])
+    # γ = 0.5, λ = 0.5: δ = (0.5·0.6 − 0.5, 0.5·0.8 − 0.6, 1 − 0.8) = (−0.2, −0.2, 0.2)
+    #   Â_2 = 0.2, Â_1 = −0.2 + 0.25·0.2 = −0.15, Â_0 = −0.2 + 0.25·(−0.15) = −0.2375
+    adv, _ = advantages.gae(r, v, m, 0.5, 0.5)
+    assert adv[0].tolist() == pytest.approx([-0.2375, -0.15, 0.2])
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.95), (1.0, 1.0), (0.9, 0.0), (0.5, 0.7)])
+def test_gae_matches_slow_reference(gamma, lam):
+    g = torch.Generator().manual_seed(int(gamma * 100 + lam * 10))
+    N, T = 7, 9
+    lengths = [9, 1, 0, 5, 3, 8, 2]                           # full, one token, empty, ...
+    m = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float()  # right padding
+    m[5, 2] = m[5, 6] = 0                                     # a row with holes (masked tool output)
+    r = torch.randn(N, T, generator=g)                        # dense rewards (KL in the reward)
+    v = torch.randn(N, T, generator=g)
+    junk = torch.where(m > 0, 0.0, 1e3)                       # padding may hold anything
+    adv, ret = advantages.gae(r + junk, v + junk, m, gamma, lam)
+    ref_adv, ref_ret = _slow_gae(r.tolist(), v.tolist(), m.tolist(), gamma, lam)
+    torch.testing.assert_close(adv, ref_adv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret, ref_ret, rtol=1e-5, atol=1e-5)
+    assert (adv[m == 0] == 0).all() and (ret[m == 0] == 0).all()
+
+
+def test_gae_terminal_reward_only_gamma_one_lambda_one_is_monte_carlo():
+    # the PPO set-up of gspo: reward on the last token; with γ = λ = 1 every token's return is r_i
+    m = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
+    r = torch.tensor([[0.0, 0, 1, 0], [0, 0.5, 0, 0]])
+    v = torch.rand(2, 4)
+    adv, ret = advantages.gae(r, v, m, 1.0, 1.0)
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1, 1, 0], [0.5, 0.5, 0, 0]]))
+    torch.testing.assert_close(adv, (ret - v) * m)
+
+
+def test_whiten_over_masked_tokens():
+    x = torch.tensor([[1.0, 2, 3], [4, 99, 99]])
+    m = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    w = advantages.whiten(x, m, eps=0.0)
+    # tokens 1..4: mean 2.5, Bessel var 5/3
+    expected = (torch.tensor([1.0, 2, 3, 4]) - 2.5) / (5 / 3) ** 0.5
+    assert w[m > 0].tolist() == pytest.approx(expected.tolist())
+    assert (w[m == 0] == 0).all()

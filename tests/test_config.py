@@ -37,9 +37,10 @@ def test_builtin_defaults():
 
 
 def test_shipped_default_yaml_loads():
-    # Values are being tuned; only pin what the file is about (GSPO on arithmetic) and validity.
+    # Pin what the file is about (GSPO on the flawed-teacher digit sums) and validity.
     cfg = load_config("configs/default.yaml")
-    assert (cfg.task.name, cfg.objective.name) == ("arithmetic", "gspo")
+    assert (cfg.task.name, cfg.objective.name) == ("multistep", "gspo")
+    assert cfg.task.params["flawed_fraction"] == 0.5
     assert cfg.batch_size % cfg.train.minibatches == 0
 
 

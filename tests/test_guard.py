@@ -201,9 +201,9 @@ def test_nan_is_skipped_by_default(make_cfg, reward_module):
         loss, stats = real_objective(*args, **kwargs)
         return loss * float("nan"), stats
 
-    def update(batch, advantages, old_logp, step, record=None):
+    def update(batch, advantages, old_logp, step, record=None, **kwargs):
         t.objective = nan_objective if step == 1 else real_objective
-        return real_update(batch, advantages, old_logp, step, record=record)
+        return real_update(batch, advantages, old_logp, step, record=record, **kwargs)
 
     t.update = update
     t.run()

@@ -247,3 +247,28 @@ def test_no_vocab_sized_activation_kept_for_backward(model):
     ref = _saved_shapes(lambda: naive_response_logprobs(model, ids, am, rm, entropy_grad=True))
     assert not [s for s in fast if s and s[-1] == V]
     assert [s for s in ref if s and s[-1] == V]
+
+
+def test_shared_prompts_equal_the_full_forward(any_model):
+    """Rows of one group share their prompt columns: running each prompt once (its KV cache
+    gathered to the group's rows) gives the full forward's log-probs, entropies and gradients."""
+    ids, am, rm = _batch()
+    g = torch.Generator().manual_seed(5)
+    rows = torch.tensor([0, 2, 0, 1, 2, 0])                           # groups 0, 2, 0, 1, 2, 0
+    ids, am = ids[rows].clone(), am[rows]
+    T = rm.shape[1]
+    ids[:, -T:] = torch.where(rm[rows].bool(), torch.randint(1, V, (len(rows), T), generator=g), PAD)
+    rm = rm[rows]
+    results = []
+    for groups in (None, rows):
+        any_model.zero_grad(set_to_none=True)
+        out = response_logprobs(any_model, ids, am, rm, chunk_size=5, prompt_groups=groups)
+        out.logp.sum().backward()
+        grads = [p.grad.clone() for p in any_model.parameters() if p.grad is not None]
+        results.append((out.logp.detach(), out.entropy, grads))
+    (logp, ent, grads), (shared_logp, shared_ent, shared_grads) = results
+    _close(shared_logp, logp)
+    _close(shared_ent, ent)
+    assert len(grads) == len(shared_grads)
+    for a, b in zip(shared_grads, grads):
+        _close(a, b, atol=1e-4)

@@ -239,8 +239,9 @@ def test_rollout_routing_replay_matches_a_full_forward():
     examples = [Example(prompt=p, answer="") for p in PROMPTS]
     # seed 1: one row stops at EOS after 9 tokens, so post-EOS columns (fed unmasked by generate,
     # masked in training) are part of the batch.
-    with capture_routing(model) as cap:
-        batch = generate(model, tok, examples, SamplingParams(max_new_tokens=12), group_size=2, seed=1)
+    with capture_routing(model) as cap:  # every forward on all N rows: no shared prompt prefill
+        batch = generate(model, tok, examples, SamplingParams(max_new_tokens=12), group_size=2, seed=1,
+                         share_prompts=False)
     N, L = batch.input_ids.shape
     T = batch.response_mask.shape[1]
     assert [f.shape[1] for f in cap.forwards] == [L - T] + [1] * (T - 1)  # prefill, then one per step

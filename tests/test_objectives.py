@@ -11,7 +11,7 @@ from gspo import objectives
 from gspo.objectives import AGGREGATIONS, aggregate, kl_k3, masked_mean
 
 F64 = torch.float64
-NAMES = ["cispo", "gmpo", "grpo", "gspo", "gspo_token", "sapo"]
+NAMES = ["cispo", "gmpo", "grpo", "gspo", "gspo_token", "ppo", "sapo"]
 
 
 def mask_of(lengths, t):
@@ -484,7 +484,10 @@ def test_registry_names_specs_and_errors():
     assert objectives.spec("cispo").defaults["aggregation"] == "token-mean"
     assert objectives.spec("gmpo").defaults["eps_low"] == 0.4
     assert [n for n in NAMES if objectives.spec(n).sequence_level] == ["gmpo", "gspo", "gspo_token"]
-    for name, paper in [("sapo", "2511.20347"), ("cispo", "2506.13585"), ("gmpo", "2507.20673")]:
+    assert dict(objectives.spec("ppo").defaults) == {
+        "eps_low": 0.2, "eps_high": 0.2, "aggregation": "token-mean"}
+    for name, paper in [("sapo", "2511.20347"), ("cispo", "2506.13585"), ("gmpo", "2507.20673"),
+                        ("ppo", "1707.06347")]:
         assert paper in objectives.spec(name).paper
 
 
@@ -517,3 +520,16 @@ def test_shape_errors():
         objectives.get("gspo")(logp, old, adv[:, None].expand(mask.shape), mask)   # sequence level: [N]
     with pytest.raises(ValueError, match="advantages"):
         objectives.get("grpo")(logp, old, adv[:-1], mask)
+
+
+def test_ppo_is_grpo_math_on_token_advantages():
+    # PPO's clipped token surrogate = GRPO's, with per-token (GAE) advantages and its own defaults
+    logp, old, _, mask = random_batch(seed=21, spread=0.5)
+    adv = torch.randn(mask.shape, dtype=F64, generator=torch.Generator().manual_seed(3))  # [N, T]
+    loss, st = objectives.get("ppo")(logp, old, adv, mask)
+    g = grad_of(loss, logp)
+    ref, st_ref = objectives.get("grpo")(logp, old, adv, mask, eps_low=0.2, eps_high=0.2,
+                                         aggregation="token-mean")
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(g, grad_of(ref, logp))
+    assert st.keys() == st_ref.keys()

@@ -215,3 +215,17 @@ def test_select_rows(batch):
     assert s.extras["tag"].tolist() == [5, 0, 7]
     empty = b.select(torch.tensor([], dtype=torch.long))
     assert empty.input_ids.shape[0] == 0 and empty.completions == []
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_shared_prompt_prefill_samples_the_same_tokens(preset, prompts):
+    """Each prompt run once and its cache repeated G times: the same batch as G prefills."""
+    model, tok = build_model(preset, 0)
+    params = SamplingParams(max_new_tokens=10)
+    shared = generate(model, tok, prompts, params, group_size=4, seed=3, with_logprobs=True)
+    plain = generate(model, tok, prompts, params, group_size=4, seed=3, with_logprobs=True,
+                     share_prompts=False)
+    assert len({len(ex.prompt) for ex in prompts}) > 1          # left padding is exercised
+    assert torch.equal(shared.input_ids, plain.input_ids)
+    assert torch.equal(shared.attention_mask, plain.attention_mask)
+    torch.testing.assert_close(shared.rollout_logp, plain.rollout_logp, rtol=0, atol=1e-5)

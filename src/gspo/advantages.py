@@ -1,11 +1,15 @@
-"""Advantage estimators: group-relative advantages (GSPO paper Eq. 6, as GRPO) and a small registry.
+"""Advantage estimators: group-relative advantages (GSPO paper Eq. 6, as GRPO) and a small registry;
+per-token GAE for PPO with a critic (`gae`, `whiten`).
 
 Rewards [N] arrive as P consecutive groups of G responses to the same prompt (N = P·G); each
 response is judged against its own group, never against the whole batch (see seeds/NOTES.md §1).
 Groups are never split across ranks, so this runs locally on each rank.
 
+GAE (`gae`) is a pure function of per-token rewards, critic values and the response mask; the
+critic itself, its loss and where rewards are placed live in `gspo.value` / `gspo.algorithms`.
+
 This module deliberately is not: reward computation, filtering of zero-variance groups (the
-trainer's `dynamic_sampling`), or GAE (no critic here yet).
+trainer's `dynamic_sampling`), or a value model.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["SCALES", "available", "get", "group_advantages", "register"]
+__all__ = ["SCALES", "available", "gae", "get", "group_advantages", "register", "whiten"]
 
 SCALES = ("group", "batch", "none")
 """What centred rewards are divided by: the group's std (Eq. 6), the batch's std, nothing."""
@@ -72,3 +76,46 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
         centred = centred / (r.std() + eps)                           # [P, G] / (std_batch + eps)
     flat = (r == r[:, :1]).all(-1, keepdim=True)                      # [P, 1] zero-variance group
     return torch.where(flat, torch.zeros_like(centred), centred).view(-1)  # [N]
+
+
+def gae(rewards_tok: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+        ) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2015, arXiv 1506.02438, Eq. 16) per token.
+
+    Over the positions with mask 1, in order (t' = the next such position, none after the last):
+      δ_t = r_t + γ V_t' − V_t                   (V after the last position = 0: the episode ends)
+      Â_t = δ_t + γλ Â_t'                        returns R_t = Â_t + V_t (the critic's target)
+    Positions with mask 0 are skipped (a value and advantage pass through them unchanged), so a mask
+    with holes chains its unmasked tokens; right padding is the common case. Both outputs are 0
+    where mask is 0. rewards_tok, values, mask: [N, T]; a backwards loop over T, vectorised over N.
+    """
+    if not rewards_tok.shape == values.shape == mask.shape or rewards_tok.dim() != 2:
+        raise ValueError("rewards_tok, values and mask must share one [N, T] shape; got "
+                         f"{tuple(rewards_tok.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}")
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    r, v, keep = rewards_tok.to(dtype), values.detach().to(dtype), mask > 0      # [N, T]
+    next_v = torch.zeros(r.shape[0], dtype=dtype, device=r.device)              # [N] V_t'
+    next_a = torch.zeros_like(next_v)                                            # [N] Â_t'
+    adv = torch.zeros_like(r)                                                    # [N, T]
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_v - v[:, t]                               # [N] δ_t
+        a = delta + gamma * lam * next_a                                         # [N] Â_t
+        m = keep[:, t]
+        adv[:, t] = torch.where(m, a, torch.zeros_like(a))
+        next_v = torch.where(m, v[:, t], next_v)                                 # skip mask 0
+        next_a = torch.where(m, a, next_a)
+    returns = torch.where(keep, adv + v, torch.zeros_like(adv))                  # [N, T] R_t
+    return adv, returns
+
+
+def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x − mean) / sqrt(var + eps) over the tokens with mask 1 (Bessel-corrected var), 0 elsewhere.
+
+    PPO's advantage normalisation over the whole batch of tokens (cleanrl `norm_adv`; TRL
+    `masked_whiten`). values, mask: [N, T]."""
+    keep = mask > 0
+    x = values[keep]                                                             # [K]
+    if x.numel() < 2:
+        return torch.zeros_like(values)
+    out = (values - x.mean()) * torch.rsqrt(x.var() + eps)                       # [N, T]
+    return torch.where(keep, out, torch.zeros_like(out))

@@ -50,18 +50,29 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler,
-                    state: dict, keep: int = 2) -> Path:
-    """Atomically write the checkpoint of ``step`` and prune old ones (keeping ``keep``)."""
-    check_finite(model, step)
+                    state: dict, keep: int = 2, *, model_state: dict | None = None,
+                    optimizer_state: dict | None = None, extra=None) -> Path:
+    """Atomically write the checkpoint of ``step`` and prune old ones (keeping ``keep``).
+
+    ``model_state`` / ``optimizer_state`` replace the model's and optimizer's own state dicts
+    (full states gathered from FSDP shards, gspo.distributed). ``extra(folder)`` (optional) writes
+    more files into the folder before it is checksummed (PPO's critic, gspo.algorithms)."""
+    check_finite(model, step, model_state)
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        save_model(model, tokenizer, tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if model_state is None:
+            save_model(model, tokenizer, tmp)
+        else:                                   # full weights gathered from FSDP shards
+            save_model(model, tokenizer, tmp, state_dict=model_state)
+        torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                   tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
+        if extra is not None:
+            extra(tmp)
         sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1))
         for p in tmp.iterdir():
@@ -77,9 +88,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer,
     return final
 
 
-def check_finite(model, step: int) -> None:
-    """CheckpointError when a parameter holds NaN or Inf: such weights are never written."""
-    params = list(model.named_parameters())
+def check_finite(model, step: int, state: dict | None = None) -> None:
+    """CheckpointError when a parameter (of ``state``, if given) holds NaN or Inf: never written."""
+    params = list(state.items()) if state is not None else list(model.named_parameters())
     finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in params]).tolist()
     bad = [name for (name, _), ok in zip(params, finite) if not ok]
     if bad:

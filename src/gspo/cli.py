@@ -1,4 +1,4 @@
-"""Command line: ``gspo train | sft | eval | report | audit``. Thin over the library.
+"""Command line: ``gspo train | sft | eval | report | audit | compare``. Thin over the library.
 
 User errors (config, data, unknown names, missing files, unwritable output) are found in a
 preflight phase (``gspo.preflight``), before any model is built: one line, exit 2. Inside
@@ -53,6 +53,7 @@ def _split_config_and_overrides(args) -> None:
 
 # --------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
+    from gspo import distributed
     from gspo.guard import GuardPause
     from gspo.preflight import check_rewards, check_train, user_input
     from gspo.report import build_report
@@ -68,15 +69,21 @@ def cmd_train(args) -> int:
         if args.resume:
             cfg.run.dir = args.resume
         check_train(cfg, resume=bool(args.resume))
+        ranks = distributed.init_from_env(cfg.dist.timeout_s)  # under torchrun (docs/distributed.md)
         trainer = Trainer(cfg, resume=bool(args.resume))
         check_rewards(trainer.rewards, trainer.train_set)
     try:
         with GracefulStop(cfg.run.dir) as trainer.stop:  # SIGINT/SIGTERM: checkpoint, then exit
             summary = trainer.run()
     except GuardPause as pause:
-        report = build_report(cfg.run.dir)
-        print(f"gspo: paused: {pause} (report: {report})", file=sys.stderr)
+        if ranks.is_main:
+            report = build_report(cfg.run.dir)
+            print(f"gspo: paused: {pause} (report: {report})", file=sys.stderr)
         return pause.exit_code
+    finally:
+        distributed.shutdown()
+    if not ranks.is_main:  # rank 0 reports for all
+        return 0
     report = build_report(cfg.run.dir)
     b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     print(f"held-out accuracy: {b:.3f} (cold start) -> {a:.3f} (after {summary['steps']} "
@@ -119,6 +126,19 @@ def cmd_eval(args) -> int:
                       batch_size=cfg.eval.batch_size, seed=cfg.seed)
     print(json.dumps({"checkpoint": args.checkpoint, "task": cfg.task.name, **result.as_dict()},
                      indent=1))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from gspo.compare import run_suite
+    from gspo.preflight import user_input
+    with user_input():
+        if not Path(args.suite).is_file():
+            raise UserError(f"{args.suite}: no such suite file")
+    only = args.variants.split(",") if args.variants else None
+    out = run_suite(args.suite, seeds=args.seeds, quick=args.quick, out=args.out,
+                    extra=args.extra, only=only)
+    print(f"comparison: {out}/report.md  ({out}/results.json, {out}/plots/)")
     return 0
 
 
@@ -171,6 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Rebuild RUN_DIR/report.md and RUN_DIR/plots/*.png from its metrics.")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("compare", help="equal-budget comparison of variants over seeds",
+                       description="Train each variant x seed of SUITE.yaml at the same budget "
+                                   "(reusing finished runs), then write results.json, report.md "
+                                   "and plots/. Example: gspo compare configs/compare/dense.yaml "
+                                   "--seeds 3")
+    p.add_argument("suite", help="suite YAML (configs/compare/*.yaml)")
+    p.add_argument("extra", nargs="*", metavar="key=value",
+                   help="overrides shared by every variant (applied after --quick's)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..K-1 per variant (default 3)")
+    p.add_argument("--quick", action="store_true", help="apply the suite's quick budget")
+    p.add_argument("--out", help="output folder (default runs/compare/<suite>[-quick])")
+    p.add_argument("--variants", help="comma-separated subset of the suite's variants")
+    p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("audit", help="recompute the recorded steps of a run (audit.every=K)",
                        description="Reload π_old / π_new of recorded steps and recompute old "
                                    "log-probs, sequence ratios, clip decisions and loss; check mask, "

@@ -53,6 +53,8 @@ class RunConfig(Section):
     """Write TensorBoard event files under run.dir/tb."""
     progress: bool = True
     """Show a progress bar (disabled automatically when stderr is not a terminal)."""
+    threads: int = Field(1, ge=0)
+    """torch CPU threads (torch.set_num_threads), set when training starts; 0 leaves torch's default (one per core). 1 by default: on a 2-core machine 2 threads were ~20% faster while the other core was idle but stalled single steps 10-100x while it was busy (docs/performance.md)."""
 
 
 class ModelConfig(Section):
@@ -157,7 +159,7 @@ class RolloutConfig(Section):
 
 class ObjectiveConfig(Section):
     name: str = "gspo"
-    """Policy loss from the registry (gspo.objectives.available())."""
+    """Policy loss from the registry (gspo.objectives.available()), with group-relative advantages; or a baseline (gspo.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget)."""
     eps_low: float | None = Field(None, gt=0)
     """Lower clip range (None: the objective's paper default; GSPO 3e-4)."""
     eps_high: float | None = Field(None, gt=0)
@@ -171,8 +173,8 @@ class ObjectiveConfig(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        from gspo import objectives
-        return one_of("objective", name, objectives.available())
+        from gspo import algorithms
+        return one_of("objective", name, algorithms.names())
 
     @field_validator("params")
     @classmethod
@@ -181,7 +183,8 @@ class ObjectiveConfig(Section):
         name = info.data.get("name")
         if name is None:  # the name itself failed
             return params
-        valid = sorted(set(objectives.spec(name).defaults) - {"eps_low", "eps_high", "aggregation"})
+        defaults = objectives.spec(name).defaults if name in objectives.available() else {}  # sft: none
+        valid = sorted(set(defaults) - {"eps_low", "eps_high", "aggregation"})
         for key in params:
             if key not in valid:
                 close = difflib.get_close_matches(key, valid, n=1)
@@ -189,6 +192,23 @@ class ObjectiveConfig(Section):
                 raise ValueError(f"objective {name!r} has no hyper-parameter {key!r}; {hint}"
                                  f"valid: {', '.join(valid) or 'none'}")
         return params
+
+
+class PPOConfig(Section):
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE discount γ (1.0 as TRL PPOConfig: one episode per response, the reward at its end)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE λ (0.95 as TRL PPOConfig and cleanrl)."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip of the value update around the rollout-time values (TRL cliprange_value 0.2); null: unclipped."""
+    critic_lr: float | None = Field(None, gt=0)
+    """Critic learning rate (null: train.lr); AdamW with the policy's schedule, warm-up, weight decay and grad_clip."""
+    whiten_advantages: bool = True
+    """Normalise the GAE advantages to mean 0, std 1 over the batch's response tokens (cleanrl norm_adv, TRL whiten)."""
+    kl_in_reward: bool = False
+    """Put the KL to the reference policy in the per-token reward, −kl_coef·(log π_old − log π_ref) (TRL / InstructGPT), instead of (or besides) the train.beta loss."""
+    kl_coef: float = Field(0.05, ge=0)
+    """kl_in_reward: the penalty's coefficient (0.05 as TRL PPOConfig.kl_coef)."""
 
 
 class AdvantageConfig(Section):
@@ -229,6 +249,8 @@ class TrainLoopConfig(Section):
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
     log_rollout_logprobs: bool = False
     """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
+    skip_zero_advantage: bool = True
+    """Skip the old-log-prob and training forward/backward of responses with Â = 0 (zero-variance groups) or an empty loss mask: every objective's loss is 0 there, so the update is the same. They enter the loss with ratio 1; entropy and MoE metrics cover the rows trained on. Off by itself with beta > 0, entropy_coef > 0, moe.aux_loss_coef > 0 or an audited step."""
 
 
 class MoEConfig(Section):
@@ -294,6 +316,13 @@ class FaultsConfig(Section):
     """... from this RL step on (1-based, as logged)."""
 
 
+class DistConfig(Section):
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism under torchrun (ignored in one process): ddp (every rank holds the whole model; gradients summed by all-reduce after backward) | fsdp (FSDP2 fully_shard per decoder layer: weights, gradients and optimizer state sharded). docs/distributed.md."""
+    timeout_s: float = Field(1800.0, gt=0)
+    """How long a rank waits in a collective (rank 0 evaluates and writes checkpoints while the others wait)."""
+
+
 class EvalConfig(Section):
     n: int | None = Field(None, ge=1)
     """Held-out prompts to evaluate (None: the whole test split)."""
@@ -340,6 +369,8 @@ class TrainConfig(Section):
     sft: SFTConfig = SFTConfig()
     rollout: RolloutConfig = RolloutConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
+    ppo: PPOConfig = PPOConfig()
+    """objective.name=ppo: critic, GAE and value loss (docs/baselines.md); ignored otherwise."""
     advantage: AdvantageConfig = AdvantageConfig()
     train: TrainLoopConfig = TrainLoopConfig()
     eval: EvalConfig = EvalConfig()
@@ -353,6 +384,8 @@ class TrainConfig(Section):
     """Extra diagnostics: length slices."""
     faults: FaultsConfig = FaultsConfig()
     """Deliberate faults for testing the guard (off by default)."""
+    dist: DistConfig = DistConfig()
+    """Data-parallel training under torchrun: strategy ddp | fsdp (docs/distributed.md)."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

@@ -301,7 +301,7 @@ class Guard:
     The trainer calls ``before_step(trainer, step)`` and ``after_step(trainer, row)``; the latter
     returns the step to continue from after a roll-back (else None) and raises ``GuardPause``.
     Of the trainer it uses: model, optimizer, scheduler, run_dir, log, metrics, start_step,
-    save(step, wall), wall(), load_checkpoint(loaded).
+    save(step, wall), wall(), load_checkpoint(loaded), dist (ranks decide together).
     """
     cfg: object                                   # GuardConfig
     faults: object                                # FaultsConfig
@@ -350,8 +350,8 @@ class Guard:
 
     def on_start(self, trainer) -> None:
         """With a rollback rule, make sure a checkpoint exists to roll back to (the start)."""
-        if any(r.action == "rollback" for r in self.rules) and \
-                last_good_checkpoint(trainer.run_dir, warn=trainer.log) is None:
+        if any(r.action == "rollback" for r in self.rules) and trainer.dist.on_main(  # ranks agree
+                lambda: last_good_checkpoint(trainer.run_dir, warn=trainer.log) is None):
             trainer.save(trainer.start_step, trainer.wall())
 
     def after_step(self, trainer, row: dict) -> int | None:
@@ -431,6 +431,9 @@ class Guard:
     # ------------------------------------------------------------------ records
     @staticmethod
     def event(run_dir, event: str, **fields) -> None:
+        from gspo.distributed import is_main
+        if not is_main():  # under torchrun rank 0 writes the events
+            return
         record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event, **fields}
         with (Path(run_dir) / EVENTS_FILE).open("a") as fh:
             fh.write(json.dumps(record, default=str) + "\n")

@@ -7,6 +7,8 @@ float32 per chunk. With grad enabled each chunk runs under non-reentrant activat
 so only hidden states are kept and a chunk's logits are recomputed in backward. Peak memory of the
 head is O(chunk_size * V) instead of the O(N * L * V) of `model(...).logits` and the O(N * T * V)
 float32 log-softmax. `naive_response_logprobs` is the plain full-logits reference (tests, benchmark).
+With `prompt_groups` (rows that share a prompt, e.g. the G responses of one prompt) each prompt
+runs through the decoder once and its KV cache is gathered to the rows of its group.
 
 What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no sequence
 packing of the decoder input, no KL or loss; the decoder body runs unchanged (use the model's own
@@ -74,10 +76,42 @@ def _logit_transform(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]
     return transform
 
 
+def _shared_prompt_hidden(
+    decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, groups: torch.Tensor
+) -> torch.Tensor | None:
+    """`_response_hidden` running each group's prompt once: its first L-T-1 columns for one row
+    per group, their KV cache gathered to every row, then the last L-T-1.. columns of all rows.
+    None when nothing is shared or the decoder's cache cannot be gathered."""
+    uniq, inverse = torch.unique(groups, return_inverse=True)  # CPU: no device sync
+    N, L = input_ids.shape
+    P = L - T - 1  # prompt columns run once per group
+    if P < 1 or len(uniq) == N:
+        return None
+    rep = torch.empty(len(uniq), dtype=torch.long).scatter_(0, inverse, torch.arange(N))  # a row per group
+    rep, inverse = rep.to(input_ids.device), inverse.to(input_ids.device)
+    positions = position_ids_from_mask(attention_mask)  # [N, L]
+    pre = decoder(input_ids=input_ids[rep, :P], attention_mask=attention_mask[rep, :P],
+                  position_ids=positions[rep, :P], use_cache=True)
+    name = "cache" if "cache" in pre else "past_key_values"  # transformers 5 renamed it `cache`
+    cache = pre[name] if name in pre else None
+    if not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(inverse)  # [G·…, heads, P, d]: each row its group's prompt
+    out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=positions[:, P:],
+                  use_cache=True, **{name: cache})
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [N, T+1, H]
+    return hidden[:, :T]  # [N, T, H] positions L-T-1 .. L-2
+
+
 def _response_hidden(
-    decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, **forward_kwargs
+    decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int,
+    groups: torch.Tensor | None = None, **forward_kwargs
 ) -> torch.Tensor:
     """Hidden states at the positions that predict the response tokens (L-T-1 .. L-2)."""
+    if groups is not None and not forward_kwargs:
+        hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, T, groups)
+        if hidden is not None:
+            return hidden
     out = decoder(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -161,15 +195,21 @@ def response_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = True,
     entropy_grad: bool = False,
+    prompt_groups: torch.Tensor | None = None,
     **forward_kwargs,
 ) -> TokenLogProbs:
     """logp[i, t] = log softmax(logits / τ)[L-T+t-1] at input_ids[i, L-T+t], chunked over tokens.
 
     `forward_kwargs` go to the decoder body. The head runs only on the K tokens with mask == 1.
+    `prompt_groups` [N] (CPU): rows with the same id have the same prompt columns (L-T), e.g. the
+    G responses of one prompt; each group's prompt then runs through the decoder once and its KV
+    cache serves every row of the group (same values up to float rounding, gradients included).
+    Not for a forward that must see all N rows in one call (MoE routing capture / replay).
     """
     T = _check_layout(input_ids, response_mask)
     decoder, head = _decoder_and_head(model)
-    hidden = _response_hidden(decoder, input_ids, attention_mask, T, **forward_kwargs)  # [N, T, H]
+    hidden = _response_hidden(decoder, input_ids, attention_mask, T, prompt_groups,
+                              **forward_kwargs)  # [N, T, H]
     mask = response_mask.bool()  # [N, T]
     logp_k, ent_k = _packed_logprobs(
         head,

@@ -49,6 +49,19 @@ class MetricsWriter:
             self._tb.close()
 
 
+class NullWriter:
+    """The sink of ranks other than 0 under torchrun: rank 0 alone writes (gspo.distributed)."""
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def write(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _parse(line: str) -> dict | None:
     """A row, or None for a blank line or one cut short (a run killed while writing it)."""
     try:

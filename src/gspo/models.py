@@ -139,9 +139,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32
     return model, tokenizer
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> None:
-    """Write a standard transformers directory (safetensors weights)."""
-    model.save_pretrained(path, safe_serialization=True)
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path,
+               state_dict: dict | None = None) -> None:
+    """Write a standard transformers directory (safetensors weights; ``state_dict`` instead of the
+    model's own, e.g. the full weights gathered from FSDP shards)."""
+    model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(path)
 
 

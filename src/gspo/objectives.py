@@ -341,6 +341,24 @@ def grpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     return loss, _stats(r, low, high, raw, mask, n_clamped)
 
 
+@register("ppo", eps_low=0.2, eps_high=0.2, aggregation="token-mean", sequence_level=False,
+          paper="arXiv 1707.06347 (Schulman et al., PPO) Eq. 7, ε = 0.2; token-mean over the "
+                "batch's response tokens as TRL PPOTrainer (masked_mean) and InstructGPT-style RLHF")
+def ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+        eps_low: float, eps_high: float, aggregation: str,
+        num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):
+    """PPO's clipped surrogate per token, with per-token (GAE) advantages from a critic.
+
+    ℓ_t = −min(r_t Â_t, clip(r_t, 1−ε, 1+ε) Â_t),  r_t = π_θ(y_t) / π_old(y_t)   (PPO Eq. 7)
+    The same math as `grpo` (one implementation, reused); only the defaults differ: symmetric
+    ε = 0.2 (PPO §6) and token-mean, every response token weighted alike (TRL PPOTrainer).
+    advantages: [N, T] (GAE, gspo.advantages.gae) or [N].
+    """
+    return grpo(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
+                aggregation=aggregation, num_seqs=num_seqs, num_tokens=num_tokens,
+                token_sum_norm=token_sum_norm)
+
+
 @register("sapo", eps_low=0.2, eps_high=0.27, tau_pos=1.0, tau_neg=1.05,
           aggregation="seq-mean-token-mean", sequence_level=False,
           paper="arXiv 2511.20347 (Gao et al., SAPO): soft gate σ(τ(r−1))·4/τ, "

@@ -10,8 +10,13 @@ SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
                     betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """AdamW; the fused kernel (one call for all parameters, ~4x faster than the per-tensor loop
+    on the tiny presets, docs/performance.md) where torch has it for these parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=True)
+    except (RuntimeError, ValueError):  # a device / dtype without the fused kernel
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int,

@@ -44,6 +44,7 @@ def check_train(cfg, resume: bool = False) -> None:
     check_files(cfg)
     check_model(cfg)
     check_run_dir(cfg, resume)
+    check_distributed(cfg, int(os.environ.get("WORLD_SIZE", "1")))
 
 
 # ------------------------------------------------------------------------------------ files
@@ -149,6 +150,19 @@ def check_run_dir(cfg, resume: bool) -> None:
                         f"{str(_existing_ancestor(run))!r}; about {need / MB:.0f} MB are needed "
                         f"({cfg.run.keep_checkpoints} kept + the final + one being written, "
                         f"see run.keep_checkpoints)")
+
+
+def check_distributed(cfg, world: int) -> None:
+    """Under torchrun (``world`` ranks): every rank gets at least one prompt; no audit records."""
+    if world <= 1:
+        return
+    if cfg.rollout.prompts_per_step < world:
+        raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is below the "
+                        f"number of ranks ({world}): every rank needs at least one prompt "
+                        f"(a group never splits across ranks)")
+    if cfg.audit.every:
+        raise UserError("audit.every: audit records are single-process only; run the audited "
+                        "job without torchrun (docs/distributed.md)")
 
 
 # ------------------------------------------------------------------------------------ rewards

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from gspo.diagnostics import plot_length_slices  # noqa: E402
 from gspo.guard import event_table, read_events  # noqa: E402
 from gspo.metrics import read_metrics  # noqa: E402
+from gspo.timing import PARTS  # noqa: E402
 
 # (metric key, title); a panel is drawn only when the run logged that metric.
 PANELS = [
@@ -51,6 +52,24 @@ def plot_panel(rows: list[dict], key: str, title: str, path: Path) -> bool:
     return True
 
 
+def time_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: mean seconds and share of an RL step per part (time/* metrics)."""
+    steps = [r for r in rows if isinstance(r.get("time/step_s"), (int, float)) and r["time/step_s"] > 0]
+    if not steps:
+        return []
+    mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)  # noqa: E731
+    total = mean("time/step_s")
+    lines = ["", "## Where the time goes", "",
+             f"Mean over {len(steps)} RL steps: {total:.3f} s per step "
+             "(eval and checkpoints left out).", "",
+             "| part | s / step | share | |", "|---|---|---|---|"]
+    for part in PARTS:
+        s = mean(f"time/{part}_s")
+        lines.append(f"| {part.replace('_', ' ')} | {s:.3f} | {s / total:.1%} | "
+                     f"{'█' * round(20 * s / total)} |")
+    return lines
+
+
 def _fmt(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
@@ -80,6 +99,7 @@ def build_report(run_dir: str | Path) -> Path:
             lines.append(f"![{title}](plots/{name})")
     if plot_length_slices(rows, plots / "length_slices.png"):
         lines += ["", "## Length slices", "", "![length slices](plots/length_slices.png)"]
+    lines += time_table(rows)
     lines += ["", "## Guard events", "", *event_table(read_events(run_dir))]
     last = rows[-1]
     lines += ["", "## Last logged step", "", "| metric | value |", "|---|---|"]

@@ -7,11 +7,13 @@ the first EOS (DESIGN.md §1). It does not score or train; it only samples.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gspo.logprobs import position_ids_from_mask
 from gspo.tasks import Example
 
 
@@ -42,6 +44,7 @@ class RolloutBatch:
     examples: list[Example]        # N, the prompt's example repeated G times
     rollout_logp: torch.Tensor | None = None  # [N, T] generator log-probs at the sampling temperature
     extras: dict = field(default_factory=dict)
+    correct: torch.Tensor | None = None  # [N] bool on CPU, task.is_correct once scored (not kept by select)
 
     @property
     def response_ids(self) -> torch.Tensor:
@@ -80,19 +83,42 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], devic
     return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
 
+def shared_prompt_cache(model: PreTrainedModel, enc: dict, group_size: int) -> dict:
+    """The KV cache of every prompt but its last token, computed once per prompt and repeated
+    ``group_size`` times: ``generate`` then prefills one token per row instead of the whole prompt
+    G times (the sampled tokens are the same). {} where the model's cache cannot be repeated."""
+    ids, mask = enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1]            # [P, Lp-1]
+    if group_size < 2 or ids.shape[1] == 0:
+        return {}
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                use_cache=True, **keep)
+    name = "cache" if "cache" in out else "past_key_values"  # transformers 5 renamed it `cache`
+    cache = out[name] if name in out else None
+    if not hasattr(cache, "batch_repeat_interleave"):
+        return {}
+    cache.batch_repeat_interleave(group_size)                                      # [P·G, ...]
+    return {name: cache}
+
+
 @torch.no_grad()
 def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
              params: SamplingParams, *, group_size: int = 1, with_logprobs: bool = False,
-             seed: int | None = None) -> RolloutBatch:
-    """Sample ``group_size`` responses for each example (rows grouped consecutively)."""
+             seed: int | None = None, share_prompts: bool = True) -> RolloutBatch:
+    """Sample ``group_size`` responses for each example (rows grouped consecutively).
+
+    ``share_prompts``: run each prompt through the model once, not G times (``shared_prompt_cache``);
+    off when every forward must see all N rows (routing capture at generation)."""
     device = next(model.parameters()).device
     rows = [ex for ex in examples for _ in range(group_size)]
-    enc = encode_prompts(tokenizer, [ex.prompt for ex in rows], device)
-    if seed is not None:
-        torch.manual_seed(seed)
     was_training = model.training
     model.eval()
-    out = model.generate(**enc, **params.generate_kwargs(), use_cache=True,
+    enc = encode_prompts(tokenizer, [ex.prompt for ex in examples], device)        # [P, Lp]
+    cache = shared_prompt_cache(model, enc, group_size) if share_prompts else {}
+    enc = {k: v.repeat_interleave(group_size, dim=0) for k, v in enc.items()}    # [N, Lp]
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = model.generate(**enc, **cache, **params.generate_kwargs(), use_cache=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          return_dict_in_generate=True, output_logits=with_logprobs)
     model.train(was_training)

@@ -18,6 +18,7 @@ import copy
 import json
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,21 +27,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gspo import data, diagnostics, moe, objectives, tasks
+from gspo import algorithms, data, diagnostics, distributed, moe, objectives, tasks
 from gspo.audit import Recorder
 from gspo.guard import Guard
 from gspo.errors import Interrupted
-from gspo.isolation import advantages_with_drops
-from gspo.checkpoint import load_latest, save_checkpoint
+from gspo.checkpoint import load_latest
 from gspo.config import TrainConfig, dump_yaml
 from gspo.evaluation import EvalResult, evaluate
-from gspo.logprobs import response_logprobs
-from gspo.metrics import MetricsWriter
+from gspo.metrics import MetricsWriter, NullWriter
 from gspo.models import build_model, load_model
 from gspo.optim import build_optimizer, build_scheduler
+from gspo.plan import UpdatePlan, live_rows, plan_update
 from gspo.rewards import build_rewards
 from gspo.rollout import RolloutBatch, SamplingParams, generate
 from gspo.sft import cache_key, cached_checkpoint, save_cold_start, train_sft
+from gspo.timing import PARTS, StepTimer, breakdown
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -130,11 +131,15 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, log=None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
+        self.dist = distributed.current()         # rank and world under torchrun; else one process
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
-        self.progress = cfg.run.progress and sys.stderr.isatty()
+        if not self.dist.is_main:                 # rank 0 speaks for all
+            self.log = lambda msg: None
+        self.progress = cfg.run.progress and sys.stderr.isatty() and self.dist.is_main
         self.resume = resume
-        self.spec = objectives.spec(cfg.objective.name)
-        self.objective = objectives.get(cfg.objective.name)
+        self.algorithm = algorithms.get(cfg.objective.name)(cfg)  # group-relative | ppo | sft
+        self.spec = objectives.spec(self.algorithm.objective) if self.algorithm.objective else None
+        self.objective = self.spec.fn if self.spec else None     # sft: no policy loss
         self.task = build_task(cfg)
         self.train_set, self.test_set = self.task.split("train"), self.task.split("test")
         if cfg.eval.n:
@@ -146,10 +151,13 @@ class Trainer:
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
         cfg = self.cfg
-        self._claim_run_dir()
-        dump_yaml(cfg, self.run_dir / "config.yaml")
-        self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
-                                                                    self.progress)
+        self.dist.on_main(lambda: (self._claim_run_dir(), dump_yaml(cfg, self.run_dir / "config.yaml")))
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)  # process-wide, before SFT and RL
+        self._logging_s = 0.0                       # writing the last metrics row (time/logging_s)
+        with self.dist.main_first():                # rank 0 fills the SFT cache, the others read it
+            self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
+                                                                        self.progress)
         self.device = next(self.model.parameters()).device
         self.is_moe = moe.supports_moe(self.model)
         if cfg.moe.routing_replay != "none" or cfg.moe.aux_loss_coef > 0:
@@ -157,6 +165,7 @@ class Trainer:
         self.ref_model = None
         if cfg.train.beta > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.dist.wrap(self.model, cfg.dist.strategy)  # rank 0's weights everywhere; fsdp: sharded
         total = cfg.train.steps * cfg.train.minibatches
         self.optimizer = build_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.schedule,
@@ -165,7 +174,9 @@ class Trainer:
         self.start_step, self.history, self.wall_before = 0, {}, 0.0
         self.guard = Guard(cfg.guard, cfg.faults, list(self.scheduler.base_lrs))
         self.recorder = Recorder(cfg.audit.every, self.run_dir)
-        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard)
+        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard) if self.dist.is_main \
+            else NullWriter()
+        self.algorithm.setup(self)                  # ppo: the critic, from the policy
         if self.resume:
             self._restore()
 
@@ -199,13 +210,13 @@ class Trainer:
     def load_checkpoint(self, loaded) -> None:
         """Weights, optimizer, scheduler, data position, step and history of a checkpoint."""
         weights, _ = load_model(loaded.path, DTYPES[self.cfg.model.dtype])
-        self.model.load_state_dict(weights.state_dict())
-        self.optimizer.load_state_dict(loaded.optimizer)
+        self.dist.load_state(self.model, self.optimizer, weights.state_dict(), loaded.optimizer)
         self.scheduler.load_state_dict(loaded.scheduler)
         state = loaded.state
         self.cursor.load(state["cursor"])
         self.start_step = state["step"]
         self.history = state.get("history", {})
+        self.algorithm.load(loaded.path, state.get("algorithm", {}))
 
     # ----------------------------------------------------------------------------- one step
     def collect(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict]:
@@ -213,9 +224,10 @@ class Trainer:
         cfg, G = self.cfg, self.cfg.rollout.group_size
         P = cfg.rollout.prompts_per_step
         rounds = 1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)
+        limit = len(range(P)[self.dist.share(P)]) * G                   # this rank's rows (P·G in one process)
         kept_batches, kept_rewards, extra, first_stats = [], [], {}, None
         for rnd in range(rounds):
-            examples = [self.train_set[i] for i in self.cursor.take(P)]
+            examples = [self.train_set[i] for i in self.dist.shard(self.cursor.take(P))]
             t0 = time.perf_counter()
             batch = self.generate(examples, seed=self.rollout_seed(step, rnd))
             extra["time/generate_s"] = extra.get("time/generate_s", 0.0) + time.perf_counter() - t0
@@ -233,18 +245,18 @@ class Trainer:
             rows = keep.repeat_interleave(G).nonzero().squeeze(-1)
             kept_batches.append(batch.select(rows.cpu()))
             kept_rewards.append(rewards[rows])
-            if sum(len(r) for r in kept_rewards) >= P * G:
+            if self.dist.all(sum(len(r) for r in kept_rewards) >= limit):  # ranks refill in step
                 break
-        batch = _concat(kept_batches, self.tokenizer.pad_token_id, P * G) if kept_batches else None
-        rewards = torch.cat(kept_rewards)[:P * G]
+        batch = _concat(kept_batches, self.tokenizer.pad_token_id, limit) if kept_batches else None
+        rewards = torch.cat(kept_rewards)[:limit]
         extra["reward/refill_rounds"] = rnd
         if batch is None or len(rewards) == 0:
             return None, rewards, {**first_stats, **extra}
         return batch, rewards, {**first_stats, **extra}
 
     def rollout_seed(self, step: int, rnd: int = 0) -> int:
-        """Sampling seed of generation round ``rnd`` of ``step`` (recorded for audits)."""
-        return self.cfg.seed * 1_000_003 + step * 101 + rnd
+        """Sampling seed of generation round ``rnd`` of ``step`` (recorded for audits); each rank its own."""
+        return self.dist.seed(self.cfg.seed * 1_000_003 + step * 101 + rnd)
 
     def minibatch_seed(self, step: int) -> int:
         """Seed of the minibatch split of ``step``."""
@@ -253,11 +265,13 @@ class Trainer:
     def generate(self, examples, seed: int) -> RolloutBatch:
         """Sample G responses per example; under rollout routing replay, keep the experts used."""
         capture = self.cfg.moe.routing_replay == "rollout"
-        with moe.capture_routing(self.model) if capture else contextlib.nullcontext() as cap:
+        with moe.capture_routing(self.model) if capture else contextlib.nullcontext() as cap, \
+                self.dist.full_params():      # fsdp: gathered, so ranks may generate unequal lengths
             batch = generate(self.model, self.tokenizer, examples, self.sampling,
                              group_size=self.cfg.rollout.group_size,
                              with_logprobs=self.cfg.train.old_logprobs == "rollout"
-                             or self.cfg.train.log_rollout_logprobs, seed=seed)
+                             or self.cfg.train.log_rollout_logprobs, seed=seed,
+                             share_prompts=not capture)  # a capture needs all N rows per forward
         if capture:
             batch.extras["routing"] = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
         return batch
@@ -273,35 +287,65 @@ class Trainer:
     def _reward_stats(self, batch: RolloutBatch, rewards: torch.Tensor, per_source: dict) -> dict:
         G = self.cfg.rollout.group_size
         correct = [self.task.is_correct(c, ex) for c, ex in zip(batch.completions, batch.examples)]
+        batch.correct = torch.tensor(correct, dtype=torch.bool)   # [N], reused by length_slices
+        rewards, lengths = rewards.cpu(), batch.lengths.cpu()     # host copies: no sync per .item()
         scored = rewards[rewards.isfinite()]  # reward.on_error=drop marks dropped samples NaN
         stats = {
             "reward/mean": scored.mean().item(), "reward/std": scored.std().item(),
             "reward/accuracy": sum(correct) / len(correct),
             "reward/frac_zero_std_groups": (rewards.view(-1, G).std(-1) == 0).float().mean().item(),
-            "response/length_mean": batch.lengths.float().mean().item(),
-            "response/length_max": batch.lengths.max().item(),
-            "response/truncated_frac": batch.truncated.float().mean().item(),
+            "response/length_mean": lengths.float().mean().item(),
+            "response/length_max": lengths.max().item(),
+            "response/truncated_frac": batch.truncated.cpu().float().mean().item(),
         }
         if len(per_source) > 1:
             stats.update({f"reward/{k}": v.nanmean().item() for k, v in per_source.items()})
         return stats
 
-    def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool):
-        return response_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
-                                 temperature=self.cfg.rollout.temperature,
-                                 chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
-                                 entropy_grad=self.cfg.train.entropy_coef > 0)
+    def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool,
+                  rows: torch.Tensor | None = None):
+        """``response_logprobs`` (through the FSDP root when the model is sharded). ``rows``: the
+        batch's rows in the rollout batch (CPU), whose groups of G share a prompt: each prompt then
+        runs once (not for MoE, whose routing capture needs every row in one forward, nor under
+        fsdp, whose forwards are collectives that every rank must run alike)."""
+        shared = rows is not None and not self.is_moe and self.dist.policy is None
+        groups = rows // self.cfg.rollout.group_size if shared else None
+        return self.dist.logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                  temperature=self.cfg.rollout.temperature,
+                                  chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
+                                  entropy_grad=self.cfg.train.entropy_coef > 0, prompt_groups=groups)
 
     @torch.no_grad()
-    def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """log π_old on the rollout batch: recomputed by the trainer, or the generator's own."""
+    def old_logprobs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """log π_old on the rollout batch: recomputed by the trainer, or the generator's own.
+
+        ``rows`` (CPU indices, from the update plan): recompute only these; the others stay 0
+        (filled by the first minibatch, or never read: rows without signal)."""
         if self.cfg.train.old_logprobs == "rollout":
             return batch.rollout_logp
-        with self.routing_context(batch) as cap:
-            logp = self._logprobs(self.model, batch, with_entropy=False).logp
+        if rows is None:
+            sub = batch
+        elif len(rows) == 0:
+            return batch.response_mask.new_zeros(batch.response_mask.shape, dtype=torch.float32)
+        else:
+            sub = batch.select(rows.to(batch.input_ids.device))
+        with self.routing_context(sub) as cap:
+            logp = self._logprobs(self.model, sub, with_entropy=False, rows=rows).logp  # [n, T]
         if self.is_moe and "routing" not in batch.extras:
-            batch.extras["routing"] = cap.routing  # π_old's experts [N, L, layers, k]
-        return logp
+            self._store_routing(batch, rows, cap.routing)  # π_old's experts [N, L, layers, k]
+        if rows is None:
+            return logp
+        return logp.new_zeros(batch.response_mask.shape).index_copy_(0, rows.to(logp.device), logp)
+
+    @staticmethod
+    def _store_routing(batch: RolloutBatch, rows: torch.Tensor | None, routing: torch.Tensor) -> None:
+        """Put the experts of ``rows`` (None: all) into batch.extras["routing"] [N, L, layers, k]."""
+        if rows is None:
+            batch.extras["routing"] = routing
+            return
+        if "routing" not in batch.extras:
+            batch.extras["routing"] = routing.new_zeros((len(batch.completions), *routing.shape[1:]))
+        batch.extras["routing"][rows.to(routing.device)] = routing
 
     def objective_kwargs(self, T: int) -> dict:
         o = self.cfg.objective
@@ -314,64 +358,83 @@ class Trainer:
         mode = self.cfg.objective.aggregation or self.spec.defaults.get("aggregation", "seq-mean")
         return "seq-mean-token-mean" if mode == "seq-mean" else mode
 
-    def update(self, batch: RolloutBatch, advantages: torch.Tensor, old_logp: torch.Tensor,
-               step: int, record: dict | None = None) -> dict:
-        """M minibatch updates on one rollout batch; returns metrics averaged over minibatches.
-
-        ``record`` (optional) receives the loss mask, each row's log-probs as trained on, its
-        minibatch and the objective's minibatch losses (length slices, audit records)."""
-        cfg = self.cfg
+    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
+        """[N, T] the response tokens that enter the loss."""
         mask = batch.response_mask
-        if cfg.train.mask_truncated:
+        if self.cfg.train.mask_truncated:
             mask = mask * (~batch.truncated).float().unsqueeze(-1)              # [N, T]
         if "dropped" in batch.extras:  # reward.on_error=drop: failed samples leave the loss
             mask = mask * (~batch.extras["dropped"]).float().unsqueeze(-1)      # [N, T]
+        return mask
+
+    def plan(self, batch: RolloutBatch, advantages: torch.Tensor, step: int,
+             optimize: bool = True) -> UpdatePlan:
+        """This step's minibatches and the rows needing a forward (gspo.plan); ``optimize=False``:
+        every row, π_old of every row from the old-log-prob pass."""
+        cfg = self.cfg
+        gen = torch.Generator().manual_seed(self.minibatch_seed(step))
+        minibatches = self.dist.minibatch_rows(len(advantages), cfg.train.minibatches, gen)  # this rank's
+        if not optimize or self.dist.policy is not None:  # fsdp: forwards are collectives, none skipped
+            return plan_update(minibatches, None, reuse_first=False)
+        skip = (cfg.train.skip_zero_advantage and self.ref_model is None and cfg.train.entropy_coef == 0
+                and cfg.moe.aux_loss_coef == 0 and not self.recorder.due(step))
+        live = live_rows(advantages.cpu(), self.loss_mask(batch).cpu()) if skip else None  # [N]
+        reuse = (cfg.train.old_logprobs == "recompute" and batch.rollout_logp is None
+                 and cfg.moe.routing_replay != "old")
+        return plan_update(minibatches, live, reuse_first=reuse)
+
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor, old_logp: torch.Tensor,
+               step: int, record: dict | None = None, plan: UpdatePlan | None = None,
+               timer: StepTimer | None = None) -> dict:
+        """M minibatch updates on one rollout batch; returns metrics averaged over minibatches.
+
+        ``record`` (optional) receives the loss mask, each row's log-probs as trained on, its
+        minibatch and the objective's minibatch losses (length slices, audit records).
+        ``plan`` (``self.plan``; default: every row, no reuse) may have the first minibatch write
+        its own rows of ``old_logp`` (in place); ``timer`` gets forward_backward and optimizer."""
+        cfg = self.cfg
+        mask = self.loss_mask(batch)                                           # [N, T]
+        plan = plan or self.plan(batch, advantages, step, optimize=False)
+        timer = timer or StepTimer(self.device)
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp = self._logprobs(self.ref_model, batch, with_entropy=False).logp
-        gen = torch.Generator().manual_seed(self.minibatch_seed(step))
         kwargs, agg = self.objective_kwargs(mask.shape[1]), self.token_aggregation()
         collected: dict[str, list[torch.Tensor]] = {}
         skipped_nonfinite = 0
         if record is not None:
             diagnostics.new_record(record, mask)
         self.model.train()
-        for idx in split_minibatches(len(advantages), cfg.train.minibatches, gen):
-            idx = idx.to(self.device)
-            mb, mb_mask = batch.select(idx), mask[idx]
-            aux_coef = cfg.moe.aux_loss_coef
-            with self.routing_context(mb, keep_logits=aux_coef > 0) as cap:
-                out = self._logprobs(self.model, mb, with_entropy=True)
-            loss, stats = self.objective(out.logp, old_logp[idx], advantages[idx], mb_mask, **kwargs)
-            if record is not None:
-                diagnostics.record_minibatch(record, idx, out.logp, loss)
-            stats = {f"policy/{k}": v for k, v in stats.items()}
-            if self.is_moe:
-                stats.update(self._routing_stats(mb, cap))
-                if aux_coef > 0:
-                    aux = moe.router_aux_loss(self.model, cap.router_logits(), mb.attention_mask)
-                    loss = loss + aux_coef * aux
-                    stats["moe/aux_loss"] = aux.detach()
-            stats["policy/loss"] = loss.detach()
-            stats["policy/entropy"] = objectives.aggregate(out.entropy.detach(), mb_mask, agg)
-            total = loss
-            if ref_logp is not None:
-                kl = objectives.aggregate(objectives.kl_k3(out.logp, ref_logp[idx]), mb_mask, agg)
-                total = total + cfg.train.beta * kl
-                stats["policy/kl_ref"] = kl.detach()
-            if cfg.train.entropy_coef > 0:
-                total = total - cfg.train.entropy_coef * objectives.aggregate(out.entropy, mb_mask, agg)
-            self.optimizer.zero_grad(set_to_none=True)
-            total.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
-            stats["optim/grad_norm"] = grad_norm.detach()
-            if bool(torch.isfinite(total.detach()) & torch.isfinite(grad_norm)):  # a sync per minibatch
-                self.optimizer.step()
-            else:  # a NaN/Inf loss or gradient is never applied: skip this update, counted
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped_nonfinite += 1
-            self.scheduler.step()
+        for i, (idx, pos) in enumerate(zip(plan.minibatches, plan.trained)):
+            with timer.section("forward_backward"):
+                cpu_idx, idx, live = idx, idx.to(self.device), len(idx) > 0
+                if not live:  # no row of minibatch i on this rank: a masked-out row keeps ranks in step
+                    idx, pos = idx.new_zeros(1), pos.new_zeros(1)
+                loss_mask = mask if live else torch.zeros_like(mask)
+                total, stats = self._minibatch_loss(batch, idx, pos, loss_mask, advantages, old_logp,
+                                                    ref_logp, fill_old=i == 0 and plan.reuse_first and live,
+                                                    record=record if live else None, kwargs=kwargs, agg=agg,
+                                                    cpu_idx=cpu_idx if live else None)
+                partial = len(pos) < len(idx)  # skipped rows: what they alone reach gets a zero gradient
+                self.optimizer.zero_grad(set_to_none=not partial)   # (zeroed buffers are kept)
+                if total.requires_grad:   # False when no row of the minibatch has a signal
+                    total.backward()
+                if partial:
+                    for p in self.model.parameters():
+                        if p.requires_grad and p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                total = self.dist.sync_grads(self.model, total)  # ranks: Σ_r ∇L_r = ∇L, the global loss
+            with timer.section("optimizer"):
+                grad_norm = self.dist.clip_grad_norm(self.model.parameters(), cfg.train.grad_clip)
+                stats["optim/grad_norm"] = grad_norm.detach()
+                if bool(torch.isfinite(total.detach()) & torch.isfinite(grad_norm)):  # a sync per minibatch
+                    self.optimizer.step()
+                else:  # a NaN/Inf loss or gradient is never applied: skip this update, counted
+                    self.optimizer.zero_grad(set_to_none=True)
+                    skipped_nonfinite += 1
+                self.scheduler.step()
+            stats = self.dist.reduce_stats(stats, loss_mask[idx], self.spec.sequence_level)  # over ranks
             for k, v in stats.items():
                 collected.setdefault(k, []).append(v.float())
         # one host sync per step: stack every metric, then move to Python floats together
@@ -380,7 +443,59 @@ class Trainer:
         metrics = dict(zip(keys, values))
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
         metrics["optim/skipped_nonfinite"] = skipped_nonfinite
+        metrics["train/rows_skipped"] = plan.skipped
         return metrics
+
+    def _minibatch_loss(self, batch: RolloutBatch, idx: torch.Tensor, pos: torch.Tensor,
+                        mask: torch.Tensor, advantages: torch.Tensor, old_logp: torch.Tensor,
+                        ref_logp: torch.Tensor | None, *, fill_old: bool, record: dict | None,
+                        kwargs: dict, agg: str, cpu_idx: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, dict]:
+        """Forward of the rows ``idx[pos]`` of minibatch ``idx``; the loss over all of ``idx`` (rows
+        left out enter with log π_θ = log π_old: ratio 1, Â = 0, loss 0) and detached stats.
+        ``cpu_idx``: ``idx`` on the host, to run each prompt once (``_logprobs``)."""
+        cfg, aux_coef = self.cfg, self.cfg.moe.aux_loss_coef
+        whole = len(pos) == len(idx)
+        cpu_rows = None if cpu_idx is None else cpu_idx[pos]
+        pos = pos.to(idx.device)
+        rows = idx if whole else idx[pos]
+        mb, mb_mask = batch.select(rows), mask[idx]
+        counts = self.dist.global_counts(mb_mask)   # ranks: normalisers over all ranks ({} in one process)
+        out = cap = None
+        if len(rows):
+            with self.routing_context(mb, keep_logits=aux_coef > 0) as cap:
+                out = self._logprobs(self.model, mb, with_entropy=True, rows=cpu_rows)  # [n, T]
+        if fill_old and out is not None:  # before the first optimizer step π_θ = π_old, bit for bit
+            old_logp[rows] = out.logp.detach()
+            if self.is_moe and cfg.moe.routing_replay == "none":
+                self._store_routing(batch, rows, cap.routing)
+                mb.extras["routing"] = cap.routing
+        if out is None:
+            logp = old_logp[idx]                                                # [m, T]
+        else:
+            logp = out.logp if whole else old_logp[idx].index_copy(0, pos, out.logp)  # [m, T]
+        loss, stats = self.objective(logp, old_logp[idx], advantages[idx], mb_mask, **kwargs, **counts)
+        if record is not None:
+            diagnostics.record_minibatch(record, idx, logp, loss)
+        stats = {f"policy/{k}": v for k, v in stats.items()}
+        if self.is_moe and out is not None:
+            stats.update(self._routing_stats(mb, cap))
+            if aux_coef > 0:
+                aux = moe.router_aux_loss(self.model, cap.router_logits(), mb.attention_mask)
+                loss = loss + aux_coef * aux * self.dist.token_share(mb_mask, counts)
+                stats["moe/aux_loss"] = aux.detach()
+        stats["policy/loss"] = loss.detach()
+        if out is not None:   # entropy of the rows trained on
+            stats["policy/entropy"] = objectives.aggregate(out.entropy.detach(), mask[rows], agg)
+        total = loss
+        if ref_logp is not None:  # (the plan trains every row when beta > 0 or entropy_coef > 0)
+            kl = objectives.aggregate(objectives.kl_k3(logp, ref_logp[idx]), mb_mask, agg, **counts)
+            total = total + cfg.train.beta * kl
+            stats["policy/kl_ref"] = kl.detach()
+        if cfg.train.entropy_coef > 0:
+            total = total - cfg.train.entropy_coef * objectives.aggregate(out.entropy, mb_mask, agg,
+                                                                          **counts)
+        return total, stats
 
     def _routing_stats(self, mb: RolloutBatch, cap) -> dict:
         """Expert load of this minibatch and the share of (token, layer) whose top-k moved since π_old."""
@@ -391,26 +506,38 @@ class Trainer:
                                    old=None if old is None else moe.response_routing(old, T))
 
     def step(self, step: int) -> dict:
-        t_start = time.perf_counter()
+        t_start, timer = time.perf_counter(), StepTimer(self.device)
         batch, rewards, metrics = self.collect(step)
-        if batch is None:
+        metrics = self.dist.reduce_metrics(metrics, len(rewards))     # ranks: one set of numbers
+        if self.dist.any(batch is None):
             return {**metrics, "step": step + 1, "train/skipped": 1.0}
         G = self.cfg.rollout.group_size
-        advantages = advantages_with_drops(batch, rewards, G, scale=self.cfg.advantage.scale,
-                                           eps=self.cfg.advantage.eps)  # [N]; reward.on_error=drop
-        t0 = time.perf_counter()
-        old_logp = self.old_logprobs(batch)                                       # [N, T]
-        metrics["time/old_logprobs_s"] = time.perf_counter() - t0
+        if self.algorithm.objective is None:    # sft: demonstrations instead of a policy-gradient update
+            return {"step": step + 1, **metrics, **self.algorithm.update(batch, rewards, step)}
+        advantages = self.algorithm.advantages(batch, rewards)  # [N] group (on_error=drop) | [N, T] ppo
+        if self.cfg.advantage.scale == "batch":                       # ranks: the std of all rewards
+            advantages = self.dist.batch_advantages(rewards, G, eps=self.cfg.advantage.eps,
+                                                    local=advantages)
+        plan = self.plan(batch, advantages, step)
+        if batch.rollout_logp is not None:        # the mismatch metrics read every row's π_old
+            plan.old_rows = None
+        with timer.section("old_logprobs"):
+            old_logp = self.old_logprobs(batch, rows=plan.old_rows)               # [N, T]
         if batch.rollout_logp is not None:
-            metrics.update(self._mismatch(batch, old_logp))
+            metrics.update(self.dist.reduce_metrics(self._mismatch(batch, old_logp), len(rewards)))
         t0 = time.perf_counter()
         record: dict = {}
         self.recorder.begin(self, step)                                           # π_old, if audited
-        metrics.update(self.update(batch, advantages, old_logp, step, record=record))
+        metrics.update(self.update(batch, advantages, old_logp, step, record=record, plan=plan,
+                                   timer=timer))
+        metrics.update(self.algorithm.update(batch, rewards, step))              # ppo: the critic
         metrics["time/train_s"] = time.perf_counter() - t0
-        metrics.update(self.length_slices(batch, rewards, advantages, old_logp, record))
+        metrics.update(self.dist.reduce_metrics(
+            self.length_slices(batch, rewards, advantages, old_logp, record), len(rewards)))
         self.recorder.finish(self, step, batch, rewards, advantages, old_logp, record, metrics)
-        metrics["time/step_s"] = time.perf_counter() - t_start
+        parts = {**timer.seconds(), "generate": metrics["time/generate_s"],
+                 "reward": metrics["time/reward_s"]}
+        metrics.update(breakdown(parts, time.perf_counter() - t_start))
         return {"step": step + 1, **metrics}
 
     def length_slices(self, batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.Tensor,
@@ -419,8 +546,8 @@ class Trainer:
         n = self.cfg.monitor.length_buckets
         if not n:
             return {}
-        correct = torch.tensor([self.task.is_correct(c, ex)
-                                for c, ex in zip(batch.completions, batch.examples)])
+        correct = batch.correct if batch.correct is not None else torch.tensor(
+            [self.task.is_correct(c, ex) for c, ex in zip(batch.completions, batch.examples)])
         return diagnostics.length_slices(
             batch.lengths.cpu(), rewards.cpu(), correct, record["logp"], old_logp, advantages,
             record["mask"], objective=self.objective, objective_kwargs=self.objective_kwargs(0),
@@ -437,17 +564,22 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- eval, save
     def evaluate(self) -> EvalResult:
+        """Held-out evaluation (under torchrun: on rank 0, its result sent to every rank)."""
         e = self.cfg.eval
-        return evaluate(self.model, self.tokenizer, self.task, self.test_set,
-                        max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
-                        temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed)
+        with self.dist.full_params():
+            return self.dist.on_main(lambda: evaluate(
+                self.model, self.tokenizer, self.task, self.test_set,
+                max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
+                temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed))
 
     def save(self, step: int, wall: float) -> Path:
         state = {"cursor": self.cursor.state(), "history": self.history, "wall_s": wall,
                  "objective": self.cfg.objective.name, "init": self.init_info,
-                 "guard": self.guard.state_dict()}
-        return save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.optimizer,
-                               self.scheduler, state, keep=self.cfg.run.keep_checkpoints)
+                 "guard": self.guard.state_dict(), "algorithm": self.algorithm.state_dict()}
+        return self.dist.save_checkpoint(self.run_dir, step, self.model, self.tokenizer,  # rank 0
+                                         self.optimizer, self.scheduler, state,
+                                         keep=self.cfg.run.keep_checkpoints,
+                                         extra=self.algorithm.save)  # ppo: critic files
 
     # ----------------------------------------------------------------------------- the loop
     def wall(self) -> float:
@@ -458,9 +590,10 @@ class Trainer:
         """Between steps: after SIGINT/SIGTERM (``self.stop``, a gspo.signals.GracefulStop set by
         the CLI), save a checkpoint of the ``done`` steps, then raise Interrupted."""
         stop = getattr(self, "stop", None)
-        if stop is None or stop.signum is None:
+        if stop is None or not self.dist.any(stop.signum is not None):  # ranks stop together
             return
-        raise Interrupted(stop.signum, done, self.save(done, self.wall()), self.run_dir)
+        signum = stop.signum or signal.SIGTERM
+        raise Interrupted(signum, done, self.save(done, self.wall()), self.run_dir)
 
     def run(self) -> dict:
         self.setup()
@@ -478,19 +611,21 @@ class Trainer:
         step = self.start_step
         self.stop_if_requested(step)
         while step < cfg.train.steps:
+            t_iter = time.perf_counter()
             self.guard.before_step(self, step)
             row = self.step(step)
             back = self.guard.after_step(self, row)     # skip restores; pause raises GuardPause
             if back is not None:                        # rolled back to the checkpoint of step back
                 step = bar.n = back
                 continue
+            self.time_iteration(row, t_iter)
             done = row["step"]
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or done == cfg.train.steps:
                 result = self.evaluate()
                 row.update(result.as_metrics())
                 last_acc = result.accuracy
                 self.history["eval_last"] = result.as_dict()
-            self.metrics.write(row)
+            self.log_row(row)
             bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.2f}",
                             acc=f"{last_acc:.2f}",
                             clip=f"{row.get('policy/clip_frac_tokens', float('nan')):.3f}")
@@ -508,6 +643,21 @@ class Trainer:
         self.metrics.close()
         return self.finish(final, wall)
 
+    def time_iteration(self, row: dict, t_iter: float) -> None:
+        """Make time/step_s the whole loop iteration from ``t_iter``: guard hooks, the step, and
+        writing the previous row (time/logging_s); eval and checkpoints (periodic) are left out."""
+        if "time/step_s" not in row:                   # no update this step
+            return
+        parts = {p: row.get(f"time/{p}_s", 0.0) for p in PARTS if p != "other"}
+        parts["logging"] = self._logging_s
+        row.update(breakdown(parts, time.perf_counter() - t_iter + self._logging_s))
+
+    def log_row(self, row: dict) -> None:
+        """Write a metrics row (JSONL + TensorBoard), timed for the next row's time/logging_s."""
+        t0 = time.perf_counter()
+        self.metrics.write(row)
+        self._logging_s = time.perf_counter() - t0
+
     def finish(self, final: Path, wall: float) -> dict:
         after = self.history.get("eval_last") or self.history["eval_before"]
         summary = {
@@ -518,7 +668,8 @@ class Trainer:
             "cold_start": self.init_info, "final_checkpoint": str(final),
             "data": getattr(self.task, "data_report", None),  # examples skipped (data.on_error)
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if self.dist.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
 

@@ -1,0 +1,320 @@
+"""Equal-budget comparison of objectives: ``gspo compare SUITE.yaml [--seeds K] [--quick]``.
+
+A suite names one base config, the overrides every variant shares (the budget: task, prompts per
+step, group size, max tokens, minibatches, steps) and the variants, which change only the
+objective, its clip range and switches such as routing replay. Each variant x seed is trained
+with ``gspo.trainer.Trainer`` into ``OUT/<variant>/seed<k>/``, one after another; a finished run
+whose resolved config is unchanged is reused. Then ``OUT/results.json``, ``OUT/report.md`` and
+``OUT/plots/*.png`` are written from the runs' ``metrics.jsonl`` and ``summary.json``.
+
+It deliberately is not a hyper-parameter search: every variant uses its objective's paper defaults
+unless the suite overrides them (the validation-split grid of issue #7 is not implemented yet).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import yaml
+from pydantic import Field
+
+from gspo.config import ConfigError, Section, TrainConfig, load_config, read_yaml
+from gspo.metrics import read_metrics
+
+# --------------------------------------------------------------------------------- suite format
+
+
+class BaseSpec(Section):
+    config: str
+    """Training config every variant starts from (relative to the cwd or the suite's folder)."""
+    overrides: list[str] = []
+    """key=value overrides shared by all variants (added to the suite's top-level overrides)."""
+
+
+class Variant(Section):
+    name: str
+    """Folder name under OUT and the label in tables and plots."""
+    overrides: list[str] = []
+    """What differs from the other variants: objective.name, its clip range, moe.routing_replay."""
+
+
+class Suite(Section):
+    base: str | BaseSpec
+    """Base config path, or {config, overrides}."""
+    overrides: list[str] = []
+    """key=value overrides shared by all variants: the equal budget."""
+    variants: list[Variant] = Field(min_length=1)
+    """The compared variants; names must be unique."""
+    quick: list[str] = []
+    """Overrides that shrink the budget for --quick (sft.steps, train.steps, eval.n, ...), shared by all."""
+    threshold: float = Field(0.5, ge=0, le=1)
+    """Held-out accuracy for 'steps to reach' (the first evaluated step at or above it)."""
+    collapse_min_gain: float = Field(0.05, ge=0)
+    """A run whose best gain over the cold start is below this cannot collapse (evaluation noise)."""
+    claims: dict[str, list[str]] = {}
+    """Paper claims to judge -> the variant names they compare, e.g. {stability: [gspo, grpo]};
+    a claim whose variants were not run is left out. Claims: ``available_claims()``."""
+
+
+def load_suite(path: str | Path) -> Suite:
+    from pydantic import ValidationError
+
+    from gspo.config import format_validation_error
+    try:
+        suite = Suite.model_validate(read_yaml(path))
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, Suite, str(path))) from None
+    names = [v.name for v in suite.variants]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{path}: variant names must be unique, got {names}")
+    for claim, roles in suite.claims.items():
+        if claim not in CLAIMS:
+            raise ConfigError(f"{path}: unknown claim {claim!r}; valid: {', '.join(CLAIMS)}")
+        if len(roles) != CLAIMS[claim][0]:
+            raise ConfigError(f"{path}: claim {claim!r} names {CLAIMS[claim][0]} variants, got {roles}")
+    return suite
+
+
+def _find(path: str, suite_file: Path) -> Path:
+    """``path`` as given (cwd), else relative to the suite's folder or one of its parents."""
+    for root in [Path.cwd(), *suite_file.resolve().parents]:
+        if (root / path).is_file():
+            return root / path
+    raise ConfigError(f"{suite_file}: base config {path} not found")
+
+
+def resolve(suite: Suite, suite_file: Path, variant: Variant, seed: int, out: Path, *,
+            quick: bool, extra: list[str] = ()) -> TrainConfig:
+    """base file < shared overrides < quick < extra (CLI) < variant < seed and run folder."""
+    base = suite.base if isinstance(suite.base, BaseSpec) else BaseSpec(config=suite.base)
+    run_dir = out / variant.name / f"seed{seed}"
+    overrides = [*base.overrides, *suite.overrides, *(suite.quick if quick else []), *extra,
+                 *variant.overrides, f"seed={seed}", f"run.dir={run_dir}", "run.overwrite=true", "run.progress=false"]
+    return load_config(_find(base.config, suite_file), overrides)
+
+
+# --------------------------------------------------------------------------------- running
+
+def _finished(cfg: TrainConfig) -> bool:
+    """summary.json exists and config.yaml is this very config: the run can be reused."""
+    run_dir = Path(cfg.run.dir)
+    if not (run_dir / "summary.json").is_file() or not (run_dir / "config.yaml").is_file():
+        return False
+    return yaml.safe_load((run_dir / "config.yaml").read_text()) == cfg.model_dump(mode="json")
+
+
+def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
+              out: str | Path | None = None, extra: list[str] = (),
+              only: list[str] | None = None, log: Callable[[str], None] | None = None) -> Path:
+    """Train every variant x seed (reusing finished runs), then write results and report."""
+    from gspo.compare_report import write_report
+    from gspo.trainer import Trainer
+    log = log or (lambda m: print(m, file=sys.stderr))
+    suite_file = Path(suite_file)
+    suite = load_suite(suite_file)
+    variants = suite.variants
+    if only:
+        unknown = sorted(set(only) - {v.name for v in variants})
+        if unknown:
+            raise ConfigError(f"--variants: unknown {unknown}; valid: {[v.name for v in variants]}")
+        variants = [v for v in variants if v.name in only]
+    out = Path(out or Path("runs/compare") / (suite_file.stem + ("-quick" if quick else "")))
+    configs = {(v.name, k): resolve(suite, suite_file, v, k, out, quick=quick, extra=extra)
+               for v in variants for k in range(seeds)}  # all validated before the first run
+    for (name, k), cfg in configs.items():
+        if _finished(cfg):
+            log(f"compare: {name} seed {k}: reusing {cfg.run.dir}")
+            continue
+        log(f"compare: {name} seed {k}: training into {cfg.run.dir}")
+        Trainer(cfg, log=lambda m: None).run()
+    runs = {v.name: [Path(configs[v.name, k].run.dir) for k in range(seeds)] for v in variants}
+    results = collect(suite, runs, quick=quick, suite_file=str(suite_file), extra=list(extra))
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_report(results, runs, out)
+    return out
+
+
+# --------------------------------------------------------------------------------- aggregation
+
+def eval_series(rows: list[dict]) -> list[tuple[int, float]]:
+    """(step, held-out accuracy) of every evaluated step, the cold start at step 0 first."""
+    return [(r["step"], r["eval/accuracy"]) for r in rows
+            if isinstance(r.get("eval/accuracy"), (int, float))]
+
+
+def steps_to(series: list[tuple[int, float]], threshold: float) -> int | None:
+    """First evaluated RL step whose accuracy is at least ``threshold`` (None: never)."""
+    return next((s for s, a in series if a >= threshold), None)
+
+
+def collapsed(series: list[tuple[int, float]], min_gain: float) -> bool:
+    """Collapse: after its best step, accuracy ends below cold start + half the best gain.
+
+    With cold start a0, best a* (gain g = a* - a0 >= min_gain) and last evaluation a_end, the run
+    collapsed when a_end < a0 + g/2: it fell below half of its gain and had not recovered by the end.
+    """
+    if len(series) < 2:
+        return False
+    cold, best, last = series[0][1], max(a for _, a in series), series[-1][1]
+    gain = best - cold
+    return gain >= min_gain and last < cold + gain / 2
+
+
+def run_stats(rows: list[dict], summary: dict, threshold: float, min_gain: float) -> dict:
+    """One run's numbers for the table."""
+    series = eval_series(rows)
+    steps = [r for r in rows if isinstance(r.get("time/step_s"), (int, float))]
+    clip = [r["policy/clip_frac_tokens"] for r in rows
+            if isinstance(r.get("policy/clip_frac_tokens"), (int, float))]
+    train_s = sum(r["time/step_s"] for r in steps)
+    n = summary.get("rollout_size")
+    tokens = sum(r.get("response/length_mean", 0.0) * (n or 0) for r in steps)
+    best_step, best = max(series, key=lambda p: (p[1], -p[0])) if series else (None, None)
+    return {
+        "seed": summary["seed"], "cold_accuracy": series[0][1] if series else None,
+        "final_accuracy": summary["eval_after"]["accuracy"], "best_accuracy": best,
+        "best_step": best_step, "steps_to_threshold": steps_to(series, threshold),
+        "clip_frac_tokens": statistics.fmean(clip) if clip else None,
+        "wall_s": summary["wall_s"], "train_s": round(train_s, 2),
+        "tokens_per_s": round(tokens / train_s, 1) if n and train_s > 0 else None,
+        "collapsed": collapsed(series, min_gain),
+    }
+
+
+def mean_std(values: list) -> dict:
+    """{mean, std (sample, 0 for one value), min, max, n} of the non-None values."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+AGGREGATED = ["cold_accuracy", "final_accuracy", "best_accuracy", "steps_to_threshold",
+              "clip_frac_tokens", "wall_s", "train_s", "tokens_per_s"]
+
+
+def aggregate(per_seed: list[dict]) -> dict:
+    agg = {key: mean_std([r[key] for r in per_seed]) for key in AGGREGATED}
+    agg["reached_threshold"] = sum(r["steps_to_threshold"] is not None for r in per_seed)
+    agg["collapses"] = sum(r["collapsed"] for r in per_seed)
+    agg["seeds"] = len(per_seed)
+    return agg
+
+
+def collect(suite: Suite, runs: dict[str, list[Path]], **meta) -> dict:
+    variants = {}
+    for v in suite.variants:
+        if v.name not in runs:
+            continue
+        per_seed = []
+        for run_dir in runs[v.name]:
+            summary = json.loads((run_dir / "summary.json").read_text())
+            cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+            summary["rollout_size"] = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"]
+            per_seed.append(run_stats(read_metrics(run_dir), summary, suite.threshold,
+                                      suite.collapse_min_gain))
+        variants[v.name] = {"overrides": v.overrides, "runs": per_seed, "summary": aggregate(per_seed)}
+    results = {**meta, "quick_overrides": suite.quick, "threshold": suite.threshold, "collapse_min_gain": suite.collapse_min_gain,
+               "shared_overrides": suite.overrides, "variants": variants}
+    results["claims"] = judge_claims(suite.claims, variants)
+    return results
+
+
+# --------------------------------------------------------------------------------- claims
+# A difference of means counts only when it exceeds the seeds' spread: |Δ| > std_a + std_b
+# (sample std over seeds). With one seed there is no spread, and every comparison is inconclusive.
+
+def compare_means(a: dict, b: dict) -> str:
+    """'better' | 'worse' | 'within' (a vs b, each a mean_std dict)."""
+    if a["mean"] is None or b["mean"] is None or min(a["n"], b["n"]) < 2:
+        return "within"
+    diff, spread = a["mean"] - b["mean"], a["std"] + b["std"]
+    return "better" if diff > spread else "worse" if diff < -spread else "within"
+
+
+def _pm(stat: dict, fmt: str = ".3f") -> str:
+    if stat["mean"] is None:
+        return "n/a"
+    return f"{stat['mean']:{fmt}} ± {stat['std']:{fmt}}"
+
+
+INCONCLUSIVE = "inconclusive (difference within seed spread)"
+
+
+def claim_stability(gspo: dict, grpo: dict) -> tuple[str, str]:
+    """GSPO trains more stably and efficiently than GRPO (Fig. 1)."""
+    g, r = gspo["summary"], grpo["summary"]
+    acc = compare_means(g["best_accuracy"], r["best_accuracy"])
+    stable = g["collapses"] <= r["collapses"]
+    verdict = ("held" if acc == "better" and stable else
+               "did not hold" if acc == "worse" or g["collapses"] > r["collapses"] else INCONCLUSIVE)
+    return verdict, (f"best held-out accuracy {_pm(g['best_accuracy'])} vs {_pm(r['best_accuracy'])}, "
+                     f"final {_pm(g['final_accuracy'])} vs {_pm(r['final_accuracy'])}, collapses "
+                     f"{g['collapses']}/{g['seeds']} vs {r['collapses']}/{r['seeds']}, reached the "
+                     f"threshold {g['reached_threshold']}/{g['seeds']} vs "
+                     f"{r['reached_threshold']}/{r['seeds']}")
+
+
+CLIP_FACTOR = 10.0  # "far more": at least an order of magnitude (the paper reports about two)
+
+
+def claim_clipping(gspo: dict, grpo: dict) -> tuple[str, str]:
+    """GSPO clips far more tokens than GRPO yet learns as well or better (Fig. 2)."""
+    g, r = gspo["summary"], grpo["summary"]
+    cg, cr = g["clip_frac_tokens"]["mean"], r["clip_frac_tokens"]["mean"]
+    factor = cg / cr if cg is not None and cr else float("inf") if cg else None
+    acc = compare_means(g["final_accuracy"], r["final_accuracy"])
+    more = factor is not None and factor >= CLIP_FACTOR
+    verdict = ("did not hold" if not more or acc == "worse" else
+               "held" if min(g["seeds"], r["seeds"]) > 1 else INCONCLUSIVE)
+    ftxt = "n/a" if factor is None else "GRPO clipped none" if factor == float("inf") else f"{factor:.1f}x"
+    return verdict, (f"clipped fraction of tokens {_pm(g['clip_frac_tokens'], '.4f')} vs "
+                     f"{_pm(r['clip_frac_tokens'], '.4f')} ({ftxt}; 'far more' means >= "
+                     f"{CLIP_FACTOR:.0f}x), final accuracy {_pm(g['final_accuracy'])} vs "
+                     f"{_pm(r['final_accuracy'])} ({'as well or better' if acc != 'worse' else 'worse'})")
+
+
+def claim_routing_replay(gspo: dict, grpo: dict, grpo_replay: dict) -> tuple[str, str]:
+    """MoE: GSPO trains stably without Routing Replay, GRPO needs it (Fig. 3)."""
+    g, r, rr = gspo["summary"], grpo["summary"], grpo_replay["summary"]
+    gspo_stable = g["collapses"] == 0 and (g["final_accuracy"]["mean"] or 0) >= (g["cold_accuracy"]["mean"] or 0)
+    acc = compare_means(rr["final_accuracy"], r["final_accuracy"])
+    needs = r["collapses"] > rr["collapses"] or acc == "better"
+    verdict = ("held" if gspo_stable and needs else
+               "did not hold" if not gspo_stable or acc == "worse" else INCONCLUSIVE)
+    return verdict, (f"GSPO without replay: collapses {g['collapses']}/{g['seeds']}, final "
+                     f"{_pm(g['final_accuracy'])} from cold start {_pm(g['cold_accuracy'])}; GRPO "
+                     f"without / with replay: final {_pm(r['final_accuracy'])} / "
+                     f"{_pm(rr['final_accuracy'])}, collapses {r['collapses']}/{r['seeds']} / "
+                     f"{rr['collapses']}/{rr['seeds']}")
+
+
+# claim -> (number of variants, judge, the claim as the report states it)
+CLAIMS: dict[str, tuple[int, Callable, str]] = {
+    "stability": (2, claim_stability, "GSPO trains more stably and efficiently than GRPO (Fig. 1)"),
+    "clipping": (2, claim_clipping, "GSPO clips far more tokens than GRPO yet learns as well or better (Fig. 2)"),
+    "routing_replay": (3, claim_routing_replay, "MoE: GSPO trains stably without Routing Replay "
+                                                "while GRPO needs it (Fig. 3)"),
+}
+
+
+def available_claims() -> list[str]:
+    return list(CLAIMS)
+
+
+def judge_claims(claims: dict[str, list[str]], variants: dict) -> list[dict]:
+    out = []
+    for claim, roles in claims.items():
+        if not all(name in variants for name in roles):
+            continue  # e.g. --variants left one out
+        _, judge, text = CLAIMS[claim]
+        verdict, numbers = judge(*(variants[name] for name in roles))
+        out.append({"claim": claim, "statement": text, "variants": roles, "verdict": verdict,
+                    "numbers": numbers})
+    return out
+

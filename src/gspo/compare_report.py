@@ -1,0 +1,151 @@
+"""The comparison's ``report.md`` and plots: one table, the claims, mean-over-seeds curves.
+
+Reads ``results.json`` (as built by ``gspo.compare.collect``) and the runs' ``metrics.jsonl``; it
+trains nothing and judges nothing (the claim verdicts come computed in the results).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from gspo.metrics import read_metrics  # noqa: E402
+
+# (metric key, title, log y); a panel is drawn only when some run logged the metric.
+PANELS = [
+    ("reward/mean", "training reward", False),
+    ("eval/accuracy", "held-out greedy accuracy", False),
+    ("policy/clip_frac_tokens", "clipped fraction of tokens", True),
+    ("policy/entropy", "policy entropy", False),
+    ("response/length_mean", "response length (tokens)", False),
+    ("optim/grad_norm", "gradient norm", False),
+    ("moe/routing_change_rate", "routing change rate (old -> new experts)", False),
+]
+
+
+def _per_step(rows: list[dict], key: str, x: dict[int, float] | None = None) -> dict[float, float]:
+    """{x: value} of one run; x is the step, or ``x[step]`` (e.g. training seconds)."""
+    return {(x[r["step"]] if x else r["step"]): r[key] for r in rows
+            if isinstance(r.get(key), (int, float)) and (x is None or r["step"] in x)}
+
+
+def band(curves: list[dict[float, float]]) -> tuple[list, list, list, list]:
+    """x, mean, min, max over the runs that have each x (steps aligned across seeds)."""
+    xs = sorted(set().union(*curves)) if curves else []
+    vals = [[c[x] for c in curves if x in c] for x in xs]
+    return xs, [statistics.fmean(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
+
+
+def train_seconds(rows: list[dict]) -> dict[int, float]:
+    """Cumulative training seconds (time/step_s; evaluations left out) at each logged step."""
+    total, out = 0.0, {0: 0.0}
+    for r in sorted(rows, key=lambda r: r["step"]):
+        total += r.get("time/step_s", 0.0) if isinstance(r.get("time/step_s"), (int, float)) else 0.0
+        out[r["step"]] = total
+    return out
+
+
+def plot_metric(runs: dict[str, list[list[dict]]], key: str, title: str, path: Path, *,
+                log: bool = False, wall: bool = False) -> bool:
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    drawn = False
+    for name, seeds in runs.items():
+        curves = [_per_step(rows, key) for rows in seeds]
+        if wall:  # x = training seconds: seeds aligned by step, their seconds averaged
+            secs = [train_seconds(rows) for rows in seeds]
+            steps, mean, lo, hi = band(curves)
+            xs = [statistics.fmean(s[st] for s in secs if st in s) for st in steps]
+        else:
+            xs, mean, lo, hi = band(curves)
+        if log:  # a log axis cannot show 0: leave those points out
+            keep = [i for i, m in enumerate(mean) if m > 0]
+            lo, hi = [max(lo[i], mean[i] * 1e-3) for i in keep], [hi[i] for i in keep]
+            xs, mean = [xs[i] for i in keep], [mean[i] for i in keep]
+        if not xs:
+            continue
+        drawn = True
+        (line,) = ax.plot(xs, mean, label=name, lw=1.5, marker="o" if len(xs) < 30 else None, ms=3)
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
+    if drawn:
+        ax.set_title(title + " (mean, min-max over seeds)", fontsize=9)
+        ax.set_xlabel("training seconds (evaluation excluded)" if wall else "RL step")
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return drawn
+
+
+def _cell(stat: dict, fmt: str = ".3f") -> str:
+    if stat["mean"] is None:
+        return "–"
+    return f"{stat['mean']:{fmt}} ± {stat['std']:{fmt}}"
+
+
+def table(results: dict) -> list[str]:
+    t = results["threshold"]
+    lines = [f"| variant | seeds | cold start | final acc | best acc | steps to {t:.2f} (reached) "
+             "| clip frac tokens | wall s | tokens/s | collapses |", "|---" * 10 + "|"]
+    for name, v in results["variants"].items():
+        s = v["summary"]
+        lines.append(
+            f"| {name} | {s['seeds']} | {_cell(s['cold_accuracy'])} | {_cell(s['final_accuracy'])} "
+            f"| {_cell(s['best_accuracy'])} | {_cell(s['steps_to_threshold'], '.0f')} "
+            f"({s['reached_threshold']}/{s['seeds']}) | {_cell(s['clip_frac_tokens'], '.4f')} "
+            f"| {_cell(s['wall_s'], '.0f')} | {_cell(s['tokens_per_s'], '.0f')} "
+            f"| {s['collapses']}/{s['seeds']} |")
+    return lines
+
+
+def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> Path:
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    runs = {name: [read_metrics(d) for d in dirs] for name, dirs in run_dirs.items()}
+    figures = []
+    for key, title, log in PANELS:
+        name = key.replace("/", "_") + ".png"
+        if plot_metric(runs, key, title, plots / name, log=log):
+            figures.append(f"![{title}](plots/{name})")
+        if key == "eval/accuracy" and plot_metric(runs, key, title + " vs time",
+                                                  plots / "eval_accuracy_vs_time.png", wall=True):
+            figures.append(f"![{title} vs time](plots/eval_accuracy_vs_time.png)")
+    seeds = max(v["summary"]["seeds"] for v in results["variants"].values())
+    lines = [f"# Equal-budget comparison: `{results['suite_file']}`", "",
+             f"{seeds} seed(s) per variant{', --quick budget' if results['quick'] else ''}. "
+             f"Shared overrides (the budget): `{' '.join(results['shared_overrides'] + results['extra']) or 'none'}`; "
+             + (f"--quick adds `{' '.join(results['quick_overrides'])}`. " if results["quick"] else "")
+             + "Each variant adds only its own overrides:", ""]
+    lines += [f"* **{n}**: `{' '.join(v['overrides']) or '(base)'}`" for n, v in results["variants"].items()]
+    lines += ["", "Hyper-parameters: each objective's paper defaults unless the overrides above say "
+              "otherwise; no clip-range grid was searched (not implemented yet).", "",
+              "## Results", "", *table(results), "",
+              "Mean ± sample std over seeds. *Final*: last held-out evaluation; *best*: the highest "
+              "one (cold start included). *Steps to* the threshold: first evaluated RL step at or "
+              "above it, over the seeds that reached it. *Clip frac tokens*: mean over RL steps. "
+              "*Wall s*: the whole run with evaluations; *tokens/s*: generated response tokens per "
+              "second of RL steps (evaluations excluded).", "",
+              f"**Collapse**: after its best evaluation the run's held-out accuracy ends below "
+              f"cold start + half of its best gain (gain = best − cold start, at least "
+              f"{results['collapse_min_gain']}), i.e. it fell and did not recover by the end.", "",
+              "## The paper's claims at this scale", "",
+              "A difference counts only when it exceeds the seed spread (|Δ mean| > std_a + std_b); "
+              "with one seed every comparison is inconclusive.", ""]
+    if not results["claims"]:
+        lines.append("No claim applies to the variants run.")
+    for c in results["claims"]:
+        lines.append(f"* **{c['statement']}** ({' vs '.join(c['variants'])}): "
+                     f"**{c['verdict']}**: {c['numbers']}.")
+    lines += ["", "To test further: more seeds (the spread shrinks as 1/√K), longer runs "
+              "(collapse needs time to show), a larger eval.n (finer accuracy), and a "
+              "clip-range grid on a validation split.", "", "## Plots", "", *figures, ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path

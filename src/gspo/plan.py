@@ -1,0 +1,61 @@
+"""The update plan of one RL step: its minibatches, and which rows need a forward pass.
+
+Two savings, both exact for the update (same loss value and gradient):
+
+* **On-policy first minibatch.** Before the first optimizer step π_θ = π_old, so the first
+  minibatch's π_old log-probs are its own detached π_θ log-probs: the separate old-log-prob pass
+  runs only on the rows of minibatches 2..M (none at all when M = 1). The first minibatch's ratio
+  is then 1 bit for bit.
+* **Rows without signal.** Every registered objective is proportional to the advantage (its loss
+  and gradient are exactly 0 where Â = 0; tests/test_objectives.py pins this), and a row with an
+  empty loss mask contributes nothing either. Such rows need neither π_old nor a forward/backward:
+  they stay in the loss with log π_θ = log π_old (ratio 1), so counts and normalisers are unchanged.
+
+Index sets are CPU tensors: planning never waits on the device. Shapes: N rows, M minibatches.
+What it is not: the loop. The trainer runs the plan (``Trainer.update``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class UpdatePlan:
+    """Minibatches of one rollout batch and the rows that need computing."""
+
+    minibatches: list[Tensor]
+    """M shuffled index sets (CPU, long) partitioning range(N)."""
+    trained: list[Tensor]
+    """Per minibatch: positions within it (CPU, long) of the rows that get a forward/backward."""
+    old_rows: Tensor | None
+    """Rows (CPU, long) whose π_old log-probs the old-log-prob pass computes; None: all N."""
+    reuse_first: bool
+    """The first minibatch's π_old log-probs are taken from its own forward (no separate pass)."""
+
+    @property
+    def skipped(self) -> int:
+        """Rows left out of the forward/backward (no signal)."""
+        return sum(len(idx) - len(pos) for idx, pos in zip(self.minibatches, self.trained))
+
+
+def live_rows(advantages: Tensor, mask: Tensor) -> Tensor:
+    """[N] bool: rows with a non-zero advantage on some loss token (advantages [N] or [N, T], mask [N, T])."""
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]         # [N, T] or [N, 1]
+    return ((adv != 0) & (mask > 0)).any(-1)                                    # [N]
+
+
+def plan_update(minibatches: list[Tensor], live: Tensor | None, *, reuse_first: bool) -> UpdatePlan:
+    """The plan for ``minibatches`` (CPU index sets); ``live`` [N] CPU bool, None: train every row."""
+    trained = [torch.arange(len(idx)) if live is None else live[idx].nonzero().squeeze(-1)
+               for idx in minibatches]
+    if live is None and not reuse_first:
+        return UpdatePlan(minibatches, trained, None, False)
+    later = minibatches[1:] if reuse_first else minibatches
+    later_pos = trained[1:] if reuse_first else trained
+    rows = [idx[pos] for idx, pos in zip(later, later_pos)]
+    old_rows = torch.cat(rows).sort().values if rows else torch.zeros(0, dtype=torch.long)
+    return UpdatePlan(minibatches, trained, old_rows, reuse_first)

@@ -1,0 +1,146 @@
+"""gspo compare: aggregation on hand-made metric rows, claim verdicts, and one --quick suite end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gspo import compare
+from gspo.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------- aggregation
+def test_mean_std_is_sample_std_and_skips_none():
+    # values 0.2, 0.4, 0.6: mean 0.4, sample var ((-.2)^2 + 0 + .2^2) / (3-1) = 0.04 -> std 0.2
+    s = compare.mean_std([0.2, None, 0.4, 0.6])
+    assert s["mean"] == pytest.approx(0.4) and s["std"] == pytest.approx(0.2)
+    assert (s["min"], s["max"], s["n"]) == (0.2, 0.6, 3)
+    assert compare.mean_std([0.5])["std"] == 0.0
+    assert compare.mean_std([None])["mean"] is None
+
+
+def _rows(accs: dict[int, float], clip: float = 0.1) -> list[dict]:
+    """Metric rows: step 0 the cold start, then RL steps with time, length, clip and some evals."""
+    rows = [{"step": 0, "eval/accuracy": accs[0]}]
+    for s in range(1, max(accs) + 1):
+        row = {"step": s, "time/step_s": 0.5, "response/length_mean": 4.0,
+               "policy/clip_frac_tokens": clip}
+        if s in accs:
+            row["eval/accuracy"] = accs[s]
+        rows.append(row)
+    return rows
+
+
+def test_steps_to_threshold_is_first_evaluated_step_at_or_above():
+    series = compare.eval_series(_rows({0: 0.1, 2: 0.4, 4: 0.5, 6: 0.7}))
+    assert series == [(0, 0.1), (2, 0.4), (4, 0.5), (6, 0.7)]
+    assert compare.steps_to(series, 0.5) == 4      # equal counts
+    assert compare.steps_to(series, 0.9) is None
+
+
+@pytest.mark.parametrize("accs, collapsed", [
+    # cold 0.2, best 0.6 (gain 0.4): the bar is 0.2 + 0.4/2 = 0.4
+    ({0: 0.2, 2: 0.6, 4: 0.3}, True),              # ends at 0.3 < 0.4: collapsed
+    ({0: 0.2, 2: 0.6, 4: 0.3, 6: 0.45}, False),    # fell, recovered above 0.4 by the end
+    ({0: 0.2, 2: 0.6, 4: 0.4}, False),             # exactly at the bar is not below it
+    ({0: 0.2, 2: 0.23, 4: 0.0}, False),            # gain 0.03 < min_gain 0.05: noise, not a collapse
+    ({0: 0.5, 2: 0.3}, False),                     # never gained: nothing to collapse from
+])
+def test_collapse(accs, collapsed):
+    assert compare.collapsed(compare.eval_series(_rows(accs)), min_gain=0.05) is collapsed
+
+
+def test_run_stats_and_aggregate():
+    summary = {"seed": 0, "eval_after": {"accuracy": 0.3}, "wall_s": 9.0, "rollout_size": 8}
+    r = compare.run_stats(_rows({0: 0.2, 2: 0.6, 4: 0.3}, clip=0.25), summary, 0.5, 0.05)
+    assert (r["cold_accuracy"], r["best_accuracy"], r["best_step"]) == (0.2, 0.6, 2)
+    assert r["steps_to_threshold"] == 2 and r["collapsed"] is True
+    assert r["clip_frac_tokens"] == pytest.approx(0.25)
+    # 4 steps x 0.5 s = 2 s; tokens 4 steps x 4.0 mean length x 8 responses = 128 -> 64 tokens/s
+    assert r["train_s"] == 2.0 and r["tokens_per_s"] == 64.0
+    r2 = {**r, "seed": 1, "final_accuracy": 0.5, "steps_to_threshold": None, "collapsed": False}
+    agg = compare.aggregate([r, r2])
+    assert agg["final_accuracy"]["mean"] == pytest.approx(0.4)
+    assert agg["steps_to_threshold"]["mean"] == 2 and agg["reached_threshold"] == 1
+    assert agg["collapses"] == 1 and agg["seeds"] == 2
+
+
+# --------------------------------------------------------------------------------- claims
+def _variant(finals: list[float], clip: float, collapses: int = 0) -> dict:
+    runs = [{"cold_accuracy": 0.1, "final_accuracy": f, "best_accuracy": f, "steps_to_threshold": None,
+             "clip_frac_tokens": clip, "wall_s": 1.0, "train_s": 1.0, "tokens_per_s": 1.0,
+             "collapsed": i < collapses} for i, f in enumerate(finals)]
+    return {"summary": compare.aggregate(runs)}
+
+
+def test_compare_means_needs_two_seeds_and_a_gap_beyond_the_spread():
+    a, b = compare.mean_std([0.6, 0.62]), compare.mean_std([0.3, 0.32])
+    assert compare.compare_means(a, b) == "better" and compare.compare_means(b, a) == "worse"
+    assert compare.compare_means(a, compare.mean_std([0.55, 0.65])) == "within"
+    assert compare.compare_means(compare.mean_std([0.9]), compare.mean_std([0.1])) == "within"
+
+
+def test_claim_verdicts_from_numbers():
+    gspo, grpo = _variant([0.6, 0.62], clip=0.2), _variant([0.3, 0.32], clip=0.001, collapses=1)
+    assert compare.claim_stability(gspo, grpo)[0] == "held"
+    assert compare.claim_stability(grpo, gspo)[0] == "did not hold"
+    assert compare.claim_clipping(gspo, grpo)[0] == "held"          # 200x more, and better
+    assert compare.claim_clipping(grpo, gspo)[0] == "did not hold"  # clips less
+    same = _variant([0.5, 0.6], clip=0.2)
+    assert compare.claim_stability(same, _variant([0.5, 0.6], clip=0.2))[0] == compare.INCONCLUSIVE
+    replay = _variant([0.6, 0.61], clip=0.001)
+    assert compare.claim_routing_replay(gspo, grpo, replay)[0] == "held"
+    assert compare.claim_routing_replay(grpo, gspo, replay)[0] == "did not hold"  # 'gspo' collapsed
+
+
+def test_suite_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "s.yaml"
+    bad.write_text("base: configs/default.yaml\nvariants: [{name: a}, {name: a}]\n")
+    with pytest.raises(compare.ConfigError, match="unique"):
+        compare.load_suite(bad)
+    bad.write_text("base: configs/default.yaml\nvariants: [{name: a}]\nclaims: {stabilty: [a, a]}\n")
+    with pytest.raises(compare.ConfigError, match="unknown claim 'stabilty'"):
+        compare.load_suite(bad)
+
+
+@pytest.mark.parametrize("suite", ["dense", "moe", "followups"])
+def test_shipped_suites_resolve(suite, tmp_path):
+    path = REPO / "configs" / "compare" / f"{suite}.yaml"
+    s = compare.load_suite(path)
+    for v in s.variants:
+        for quick in (False, True):
+            compare.resolve(s, path, v, 0, tmp_path, quick=quick)
+
+
+# --------------------------------------------------------------------------------- end to end
+TINY = ["sft.steps=20", "train.steps=3", "eval.n=8", "rollout.prompts_per_step=4",
+        "rollout.group_size=4", "task.n_train=200", "task.n_test=50", "run.eval_every=1"]
+
+
+def test_quick_suite_end_to_end_and_reuse(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)                  # the base config is found next to the suite
+    out = tmp_path / "out"
+    argv = ["compare", str(REPO / "configs/compare/dense.yaml"), *TINY,
+            f"sft.cache_dir={tmp_path / 'cache'}", "--quick", "--seeds", "2",
+            "--variants", "gspo,grpo", "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["variants"]) == {"gspo", "grpo"}
+    for v in results["variants"].values():
+        assert [r["seed"] for r in v["runs"]] == [0, 1]
+        assert v["summary"]["final_accuracy"]["n"] == 2
+    report = (out / "report.md").read_text()
+    assert {c["claim"] for c in results["claims"]} == {"stability", "clipping"}
+    for c in results["claims"]:
+        assert c["verdict"] in ("held", "did not hold", compare.INCONCLUSIVE)
+        assert c["statement"] in report and c["verdict"] in report
+    for png in ("reward_mean", "eval_accuracy", "eval_accuracy_vs_time", "policy_clip_frac_tokens",
+                "policy_entropy", "response_length_mean", "optim_grad_norm"):
+        assert (out / "plots" / f"{png}.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(argv) == 0                       # second time: every run is reused
+    assert capsys.readouterr().err.count("reusing") == 4
