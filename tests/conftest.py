@@ -20,6 +20,19 @@ REWARD_MODULE = "gspo_test_rewards"
 PARITY_REWARD = f"{REWARD_MODULE}:first_char_parity"
 
 
+@pytest.fixture(autouse=True)
+def _restore_library_settings(monkeypatch):
+    """gspo.cli.main() quiets transformers process-wide; undo it so later tests see the defaults."""
+    import transformers
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    verbosity = transformers.utils.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    yield
+    transformers.utils.logging.set_verbosity(verbosity)
+    if bars:
+        transformers.utils.logging.enable_progress_bar()
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """(model, tokenizer) of the tiny-dense preset, seed 0, eval mode. Do not mutate."""

@@ -23,19 +23,6 @@ def gspo(*args: str, cwd=None) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-@pytest.fixture(autouse=True)
-def _restore_library_settings(monkeypatch):
-    """main() quiets transformers process-wide; undo it so later tests see the defaults."""
-    import transformers
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    verbosity = transformers.utils.logging.get_verbosity()
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    yield
-    transformers.utils.logging.set_verbosity(verbosity)
-    if bars:
-        transformers.utils.logging.enable_progress_bar()
-
-
 # ------------------------------------------------------------------------------- subprocess
 
 @pytest.mark.parametrize("args", [[], ["train"], ["sft"], ["eval"], ["report"]])

@@ -18,18 +18,6 @@ GOOD = '{"prompt": "1+1=", "answer": "2"}'
 TEST = '{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+3=", "answer": "6"}\n'
 
 
-@pytest.fixture(autouse=True)
-def _quiet_libraries(monkeypatch):
-    import transformers
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    verbosity = transformers.utils.logging.get_verbosity()
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    yield
-    transformers.utils.logging.set_verbosity(verbosity)
-    if bars:
-        transformers.utils.logging.enable_progress_bar()
-
-
 @pytest.fixture
 def files(tmp_path, reward_module):
     """files(train_rows, test_text=TEST) -> overrides of a custom task over those files."""

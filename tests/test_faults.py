@@ -57,19 +57,6 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-@pytest.fixture(autouse=True)
-def _restore_library_settings(monkeypatch):
-    """main() quiets transformers process-wide; undo it so later tests see the defaults."""
-    import transformers
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    verbosity = transformers.utils.logging.get_verbosity()
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    yield
-    transformers.utils.logging.set_verbosity(verbosity)
-    if bars:
-        transformers.utils.logging.enable_progress_bar()
-
-
 def _parity(reward_module: str) -> str:
     return f"rewards=[{{type: function, fn: '{reward_module}'}}]"
 

@@ -21,19 +21,6 @@ from gspo.trainer import Trainer
 FOREVER = threading.Event()  # never set: a hang that costs no CPU
 
 
-@pytest.fixture(autouse=True)
-def _restore_library_settings(monkeypatch):
-    """main() quiets transformers process-wide; undo it so later tests see the defaults."""
-    import transformers
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    verbosity = transformers.utils.logging.get_verbosity()
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    yield
-    transformers.utils.logging.set_verbosity(verbosity)
-    if bars:
-        transformers.utils.logging.enable_progress_bar()
-
-
 def _faulty(kind: str):
     """A reward that returns 1.0, except on the completion 'bad' where it fails in one way."""
     def fn(completion, **row):

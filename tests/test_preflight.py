@@ -11,23 +11,15 @@ from gspo.cli import main
 
 
 @pytest.fixture(autouse=True)
-def _no_model_and_quiet_libraries(monkeypatch):
-    """Any model built during these tests fails them; main()'s logging changes are undone."""
-    import transformers
-
+def _no_model(monkeypatch):
+    """Any model built during these tests fails them (logging is restored by conftest)."""
     from gspo import trainer
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the input was checked")
     for name in ("build_model", "load_model", "initial_policy"):
         monkeypatch.setattr(trainer, name, refuse)
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    verbosity = transformers.utils.logging.get_verbosity()
-    bars = transformers.utils.logging.is_progress_bar_enabled()
     yield
-    transformers.utils.logging.set_verbosity(verbosity)
-    if bars:
-        transformers.utils.logging.enable_progress_bar()
 
 
 def _fails(capsys, tmp_path, *argv: str, command: str = "train") -> str:
