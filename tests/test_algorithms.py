@@ -145,3 +145,13 @@ def test_sft_draw_matches_tokens(make_cfg, reward_module):
         picked = algo.draw(budget)
         total = sum(algo._length(i) for i in picked)
         assert picked and abs(total - budget) <= max(algo._length(i) for i in picked) / 2 + 0.5
+
+
+def test_dense_comparison_suite_lists_the_baselines():
+    import yaml
+    suite = yaml.safe_load(open("configs/compare/dense.yaml"))
+    names = [v["name"] for v in suite["variants"]]
+    assert {"gspo", "ppo", "sft"} <= set(names) and len(names) == len(set(names))
+    for variant in suite["variants"]:                # every variant is a valid train config
+        cfg = load_config(suite["base"]["config"], [*suite["base"]["overrides"], *variant["overrides"]])
+        assert cfg.objective.name == variant["name"]

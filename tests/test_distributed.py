@@ -262,3 +262,55 @@ def test_trainer_update_two_ranks_equals_one_process(tmp_path, monkeypatch):
         assert resumed.start_step == 2
         for name, p in resumed.model.named_parameters():
             assert torch.allclose(p, expected[name], rtol=0, atol=1e-5), (strategy, name)
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+SMALL_RUN = [
+    "task.n_train=50", "task.n_test=10", "sft.steps=5", "sft.batch_size=16",
+    "rollout.prompts_per_step=5", "rollout.group_size=4", "rollout.max_new_tokens=4",
+    "train.minibatches=4", "eval.n=8", "eval.k=2", "run.eval_every=0", "run.save_every=1",
+    "run.progress=false", "run.tensorboard=false",
+    "rewards=[{type: function, fn: 'gspo_test_rewards:first_char_parity'}]",
+]
+
+
+def _gspo(env: dict, *args: str, ranks: int = 1):
+    import subprocess
+    import sys
+    launch = [sys.executable, "-m", "gspo"] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "gspo"]
+    return subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_torchrun_train_then_resume_under_other_ranks_and_strategy(tmp_path, reward_dir):
+    """`torchrun -m gspo train` (ddp, 2 ranks) -> resume with fsdp on 2 ranks -> resume in one
+    process: rank 0 alone logs, reports and checkpoints; the data cursor and steps carry over."""
+    import json
+    import os
+    from gspo.metrics import read_metrics
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(reward_dir), os.environ.get("PYTHONPATH", "")])}
+    out = _gspo(env, "train", *SMALL_RUN, f"run.dir={run}", f"sft.cache_dir={tmp_path / 'sft'}",
+                "train.steps=2", ranks=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("held-out accuracy:") == 1                  # rank 0 reports alone
+    out = _gspo(env, "train", "--resume", str(run), "train.steps=3", "dist.strategy=fsdp",
+                ranks=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = _gspo(env, "train", "--resume", str(run), "train.steps=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]                 # one row per step
+    assert all(math_ok(r["policy/loss"]) for r in rows[1:])
+    assert "eval/accuracy" in rows[-1] and "eval/accuracy" in rows[3]   # end of each session
+    state = json.loads((run / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
+    assert state["cursor"]["index"] == 4 * 5                            # P prompts per step
+    assert (run / "summary.json").is_file() and (run / "report.md").is_file()
+
+
+def math_ok(x) -> bool:
+    return isinstance(x, float) and x == x and abs(x) < 1e6

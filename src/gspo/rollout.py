@@ -120,7 +120,8 @@ def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, example
         torch.manual_seed(seed)
     out = model.generate(**enc, **cache, **params.generate_kwargs(), use_cache=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         return_dict_in_generate=True, output_logits=with_logprobs)
+                         return_dict_in_generate=True, output_logits=with_logprobs,
+                         synced_gpus=False)  # FSDP: weights are gathered first (gspo.distributed)
     model.train(was_training)
     prompt_len = enc["input_ids"].shape[1]
     response_ids = out.sequences[:, prompt_len:]                                  # [N, T]
