@@ -153,5 +153,6 @@ def test_dense_comparison_suite_lists_the_baselines():
     names = [v["name"] for v in suite["variants"]]
     assert {"gspo", "ppo", "sft"} <= set(names) and len(names) == len(set(names))
     for variant in suite["variants"]:                # every variant is a valid train config
-        cfg = load_config(suite["base"]["config"], [*suite["base"]["overrides"], *variant["overrides"]])
+        shared = [*suite["base"]["overrides"], *suite.get("overrides", [])]
+        cfg = load_config(suite["base"]["config"], [*shared, *variant["overrides"]])
         assert cfg.objective.name == variant["name"]

@@ -305,12 +305,12 @@ def test_torchrun_train_then_resume_under_other_ranks_and_strategy(tmp_path, rew
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]                 # one row per step
-    assert all(math_ok(r["policy/loss"]) for r in rows[1:])
+    assert all(_finite(r["policy/loss"]) for r in rows[1:])
     assert "eval/accuracy" in rows[-1] and "eval/accuracy" in rows[3]   # end of each session
     state = json.loads((run / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
     assert state["cursor"]["index"] == 4 * 5                            # P prompts per step
     assert (run / "summary.json").is_file() and (run / "report.md").is_file()
 
 
-def math_ok(x) -> bool:
+def _finite(x) -> bool:
     return isinstance(x, float) and x == x and abs(x) < 1e6

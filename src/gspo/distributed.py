@@ -48,7 +48,8 @@ RANK_SEED_STRIDE = 1 << 40
 """Rank r samples with seed(step) + r·stride: ranks draw different tokens; rank 0 the 1-process seed."""
 BUCKET_NUMEL = 1 << 24
 """Gradient elements per all-reduce (64 MiB in float32)."""
-SUMMED = ("policy/loss", "policy/kl_ref", "policy/log_ratio_clamped", "reward/errors")
+SUMMED = ("policy/loss", "policy/kl_ref", "policy/log_ratio_clamped", "reward/errors",
+          "train/rows_skipped")
 """Metrics that are each rank's part of a global value (global normalisers) or counts: summed."""
 MAXED = ("reward/refill_rounds", "train/skipped")
 
@@ -120,10 +121,6 @@ class Dist:
         return torch.device("cpu")
 
     # ------------------------------------------------------------------ collectives
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on some rank."""
         if not self.enabled:
@@ -152,12 +149,13 @@ class Dist:
         if self.is_main:
             try:
                 box[0] = ("ok", fn())
-            except Exception as err:  # noqa: BLE001  re-raised below, on every rank
-                box[0] = ("error", err)
+            except Exception as err:  # noqa: BLE001  re-raised below; the others hear of it
+                dist.broadcast_object_list([("error", f"{type(err).__name__}: {err}")], src=0)
+                raise
         dist.broadcast_object_list(box, src=0)
         status, value = box[0]
         if status == "error":
-            raise value
+            raise RuntimeError(f"rank 0 failed: {value}")
         return value
 
     @contextlib.contextmanager
@@ -260,21 +258,21 @@ class Dist:
         if not self.enabled:
             return loss
         params = [p for p in model.parameters() if p.requires_grad]
-        fsdp = self.policy is not None
-        flags = [0.0 if fsdp else float(p.grad is not None) for p in params]
-        head = torch.tensor(flags + [0.0], dtype=torch.float64, device=self.device)
+        if self.policy is not None:
+            params = []                        # fsdp: only the loss
+        head = torch.tensor([float(p.grad is not None) for p in params] + [0.0],
+                            dtype=torch.float64, device=self.device)   # [has grad..., loss]
         head[-1] = loss.detach().to(self.device, torch.float64)
         dist.all_reduce(head)
-        if not fsdp:
-            used = [p for p, f in zip(params, head[:-1].tolist()) if f > 0]
-            for p in used:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            for bucket in _buckets([p.grad for p in used]):
-                flat = torch._utils._flatten_dense_tensors(bucket)
-                dist.all_reduce(flat)
-                for g, s in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                    g.copy_(s)
+        used = [p for p, f in zip(params, head[:-1].tolist()) if f > 0]
+        for p in used:
+            if p.grad is None:                 # unused here, used on another rank
+                p.grad = torch.zeros_like(p)
+        for bucket in _buckets([p.grad for p in used]):
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.all_reduce(flat)
+            for g, s in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                g.copy_(s)
         return head[-1].to(loss.device, loss.dtype)
 
     def clip_grad_norm(self, params, max_norm: float) -> Tensor:

@@ -443,7 +443,7 @@ class Trainer:
         metrics = dict(zip(keys, values))
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
         metrics["optim/skipped_nonfinite"] = skipped_nonfinite
-        metrics["train/rows_skipped"] = plan.skipped
+        metrics.update(self.dist.reduce_metrics({"train/rows_skipped": plan.skipped}, 1))  # ranks: sum
         return metrics
 
     def _minibatch_loss(self, batch: RolloutBatch, idx: torch.Tensor, pos: torch.Tensor,
