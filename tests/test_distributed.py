@@ -7,7 +7,8 @@ some minibatches hold no row of a rank (its masked-out placeholder row must chan
 * ``test_two_ranks_equal_one_process_every_objective_and_aggregation``: a plain float64 parameter
   -> log-probs; every registered objective under every aggregation mode, M = 3 and M = 8
   minibatches: the summed loss and the summed gradient equal the single process's to 1e-6 (they
-  agree to ~1e-15: the global normalisers make each rank's loss its exact part of the whole).
+  agree to ~1e-15: the global normalisers make each rank's loss its exact part of the whole);
+  advantage.scale=batch advantages equal the single process's.
 * ``test_trainer_update_two_ranks_equals_one_process``: ``Trainer.update`` on tiny-dense, ddp (with
   the speed plan: skipped rows, first-minibatch π_old) and fsdp (FSDP2), two updates each; the
   weights rank 0 checkpoints, the optimizer state and the logged metrics equal the single
@@ -28,6 +29,7 @@ from torch import nn
 from gspo import distributed, objectives
 from gspo.advantages import group_advantages
 from gspo.distributed import Dist
+from gspo.isolation import masked_group_advantages
 from gspo.trainer import split_minibatches
 
 P, G, T, V, H = 5, 3, 6, 11, 4   # prompts, group size, response columns, vocabulary, features
@@ -158,16 +160,25 @@ def _objective_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     _init(rank, world, port)
     import warnings
     warnings.simplefilter("ignore")                       # token-mean with a sequence ratio
-    result = _objective_runs(distributed.current(), _rows(rank, world))
-    torch.save(result, Path(out_dir) / f"objectives_{rank}.pt")
-    torch_dist.destroy_process_group()
+    dist, rows = distributed.current(), _rows(rank, world)
+    rewards = _problem()[-1][rows]
+    rewards[1] = float("nan")                              # a dropped sample (reward.on_error=drop)
+    batch_adv = dist.batch_advantages(rewards, G, eps=1e-6, local=rewards)
+    torch.save((_objective_runs(dist, rows), batch_adv), Path(out_dir) / f"objectives_{rank}.pt")
+    distributed.shutdown()
 
 
 @pytest.mark.filterwarnings("ignore:aggregation 'token-mean'")
 def test_two_ranks_equal_one_process_every_objective_and_aggregation(tmp_path):
     _spawn(_objective_worker, str(tmp_path))
     single, _ = _objective_runs(Dist(), torch.arange(P * G))
-    ranks = [torch.load(tmp_path / f"objectives_{r}.pt") for r in range(WORLD)]
+    saved = [torch.load(tmp_path / f"objectives_{r}.pt") for r in range(WORLD)]
+    ranks = [runs for runs, _ in saved]
+    # advantage.scale=batch: the std of every rank's rewards, as one process computes it
+    rewards = _problem()[-1]
+    rewards[torch.tensor([1, int(_rows(1, WORLD)[1])])] = float("nan")
+    expected = masked_group_advantages(rewards, G, scale="batch", eps=1e-6)
+    assert torch.allclose(torch.cat([adv for _, adv in saved]).float(), expected.float(), atol=1e-6)
     assert sum(placeholders for _, placeholders in ranks) > 0   # the empty-share path ran
     assert {"gspo", "gspo_token", "grpo"} <= {name for name, _, _ in single}
     for key, expected in single.items():
@@ -222,9 +233,11 @@ def _trainer_updates(run_dir: Path, strategy: str, optimized: bool) -> tuple:
 def _trainer_worker(rank: int, world: int, port: int, root: str) -> None:
     _init(rank, world, port)
     for strategy, optimized in (("ddp", True), ("fsdp", False)):
-        _, history = _trainer_updates(Path(root) / f"two-{strategy}", strategy, optimized)
+        trainer, history = _trainer_updates(Path(root) / f"two-{strategy}", strategy, optimized)
+        if strategy == "ddp":    # the replicas stay equal bit for bit
+            history.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
         torch.save(history, Path(root) / f"history_{strategy}_{rank}.pt")
-    torch_dist.destroy_process_group()
+    distributed.shutdown()
 
 
 @pytest.mark.slow
@@ -240,8 +253,11 @@ def test_trainer_update_two_ranks_equals_one_process(tmp_path, monkeypatch):
             monkeypatch.setattr(logprobs, "_shared_prompt_hidden", lambda *args, **kwargs: None)
         one, history = _trainer_updates(tmp_path / f"one-{strategy}", strategy, optimized)
         assert all(row["optim/grad_norm"] > 0 for row in history)    # the updates move the weights
+        if strategy == "ddp":
+            replicas = [torch.load(tmp_path / f"history_ddp_{r}.pt")[-1] for r in range(WORLD)]
+            assert all(torch.equal(replicas[0][n], replicas[1][n]) for n in replicas[0])
         for rank in range(WORLD):                       # every rank logs the same numbers
-            got = torch.load(tmp_path / f"history_{strategy}_{rank}.pt")
+            got = torch.load(tmp_path / f"history_{strategy}_{rank}.pt")[:len(history)]
             for step, (row, row1) in enumerate(zip(got, history)):
                 for key in TRAINER_METRICS:
                     assert row[key] == pytest.approx(row1[key], rel=1e-4, abs=1e-6), (strategy, step, key)

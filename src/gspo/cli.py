@@ -75,13 +75,16 @@ def cmd_train(args) -> int:
     try:
         with GracefulStop(cfg.run.dir) as trainer.stop:  # SIGINT/SIGTERM: checkpoint, then exit
             summary = trainer.run()
-    except GuardPause as pause:
+    except GuardPause as pause:                  # (every rank pauses at the same step)
+        distributed.shutdown()
         if ranks.is_main:
             report = build_report(cfg.run.dir)
             print(f"gspo: paused: {pause} (report: {report})", file=sys.stderr)
         return pause.exit_code
-    finally:
-        distributed.shutdown()
+    except BaseException:
+        distributed.shutdown(wait=False)          # the other ranks may be anywhere
+        raise
+    distributed.shutdown()
     if not ranks.is_main:  # rank 0 reports for all
         return 0
     report = build_report(cfg.run.dir)

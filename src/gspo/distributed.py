@@ -78,9 +78,15 @@ def current() -> "Dist":
     return Dist()
 
 
-def shutdown() -> None:
+def shutdown(wait: bool = True) -> None:
+    """Leave the process group; ``wait``: once every rank is done with it (a rank gone early can
+    abort a peer still closing its connections). Not after an error: the others may be anywhere."""
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            if wait:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 class PolicyForward(nn.Module):
