@@ -105,3 +105,21 @@ def small_config():
 def make_cfg(tmp_path):
     """make_cfg(*overrides, run='run') -> a small TrainConfig writing under tmp_path."""
     return lambda *overrides, run="run": _small_config(tmp_path, *overrides, run=run)
+
+
+def parity_rewards(reward_module: str) -> str:
+    """The override that makes ``reward_module`` (module:function) the only reward source."""
+    return f"rewards=[{{type: function, fn: '{reward_module}'}}]"
+
+
+@pytest.fixture
+def fresh(make_cfg, reward_module):
+    """fresh(*overrides) -> an untrained policy (no SFT), parity reward, set up but not run."""
+    from gspo.trainer import Trainer
+
+    def build(*overrides):
+        t = Trainer(make_cfg("sft.enabled=false", parity_rewards(reward_module), *overrides),
+                    log=lambda m: None)
+        t.setup()
+        return t
+    return build

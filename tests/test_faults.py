@@ -23,6 +23,7 @@ from gspo.cli import main
 from gspo.config import dump_yaml
 from gspo.metrics import read_metrics
 from gspo.trainer import Trainer
+from conftest import parity_rewards
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 STEPS = 4
@@ -57,8 +58,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-def _parity(reward_module: str) -> str:
-    return f"rewards=[{{type: function, fn: '{reward_module}'}}]"
+_parity = parity_rewards
 
 
 def _strip(rows: list[dict]) -> list[dict]:
@@ -216,16 +216,6 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(ref, capsys):
 
 
 # ------------------------------------------------------------------------------- numerics
-
-@pytest.fixture
-def fresh(make_cfg, reward_module):
-    def build(*overrides):
-        t = Trainer(make_cfg("sft.enabled=false", _parity(reward_module), *overrides),
-                    log=lambda m: None)
-        t.setup()
-        return t
-    return build
-
 
 def _params(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -19,6 +19,7 @@ from gspo.metrics import read_metrics
 from gspo.models import load_model
 from gspo.report import build_report
 from gspo.trainer import DataCursor, Trainer, initial_policy, split_minibatches
+from conftest import parity_rewards
 
 STEP_KEYS = [
     "step", "reward/mean", "reward/std", "reward/frac_zero_std_groups", "policy/loss",
@@ -28,8 +29,7 @@ STEP_KEYS = [
 ]
 
 
-def _parity(reward_module: str) -> str:
-    return f"rewards=[{{type: function, fn: '{reward_module}'}}]"
+_parity = parity_rewards
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -191,17 +191,6 @@ def test_fresh_run_in_used_dir(base, small_config):
 
 
 # ------------------------------------------------------------------------------- one step
-
-@pytest.fixture
-def fresh(make_cfg, reward_module):
-    """An untrained policy (no SFT), parity reward, set up but not run; one minibatch."""
-    def build(*overrides):
-        t = Trainer(make_cfg("sft.enabled=false", _parity(reward_module), *overrides),
-                    log=lambda m: None)
-        t.setup()
-        return t
-    return build
-
 
 def test_first_minibatch_is_exactly_on_policy(fresh):
     t = fresh("train.minibatches=1")

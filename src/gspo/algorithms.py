@@ -33,7 +33,7 @@ from torch import Tensor
 from gspo import objectives
 from gspo.advantages import gae, whiten
 from gspo.isolation import advantages_with_drops
-from gspo.optim import build_optimizer, build_scheduler
+from gspo.optim import build_optimizer, build_scheduler, clipped_step
 from gspo.rollout import RolloutBatch, demonstration_batch
 from gspo.sft import sft_loss
 from gspo.value import Critic, explained_variance, value_loss
@@ -178,12 +178,8 @@ class PPO:
             mb = batch.select(idx)
             v = self.critic(mb.input_ids, mb.attention_mask, mask[idx])               # [m, T]
             loss, s = value_loss(v, values[idx], returns[idx], mask[idx], clip=self.p.value_clip)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.train.grad_clip)
-            if bool(torch.isfinite(loss.detach()) & torch.isfinite(norm)):
-                self.optimizer.step()
-            self.scheduler.step()
+            norm = clipped_step(loss, self.critic.parameters(), self.optimizer, self.scheduler,
+                                cfg.train.grad_clip)
             for k, x in {"value/loss": loss.detach(), "value/clip_frac": s["clip_frac"],
                          "value/grad_norm": norm.detach()}.items():
                 collected.setdefault(k, []).append(x)
@@ -263,12 +259,8 @@ class SFTBaseline:
             demos = demonstration_batch(t.tokenizer, [t.train_set[i] for i in part.tolist()],
                                         t.device, max_new_tokens=cfg.rollout.max_new_tokens)
             loss = sft_loss(t.model, demos, chunk_size=cfg.train.logprob_chunk)
-            t.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), cfg.train.grad_clip)
-            if bool(torch.isfinite(loss.detach()) & torch.isfinite(norm)):
-                t.optimizer.step()
-            t.scheduler.step()
+            norm = clipped_step(loss, t.model.parameters(), t.optimizer, t.scheduler,
+                                cfg.train.grad_clip)
             losses.append(loss.detach())
             norms.append(norm.detach())
             tokens += int(demos.response_mask.sum())

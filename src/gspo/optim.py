@@ -24,3 +24,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
     """Linear warm-up then ``schedule`` (constant | cosine | linear) over ``total_steps``."""
     return get_scheduler(SCHEDULES[schedule], optimizer, num_warmup_steps=warmup_steps,
                          num_training_steps=max(total_steps, 1))
+
+
+def clipped_step(loss: torch.Tensor, params, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float) -> torch.Tensor:
+    """backward, clip the gradient norm, step unless loss or norm is non-finite; returns the norm.
+
+    The scheduler advances either way, so a skipped update does not shift the schedule.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if bool(torch.isfinite(loss.detach()) & torch.isfinite(norm)):
+        optimizer.step()
+    scheduler.step()
+    return norm
