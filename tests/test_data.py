@@ -82,7 +82,8 @@ def test_skip_policy_drops_counts_and_reports(capsys, tmp_path, files):
     err = capsys.readouterr().err
     assert "data: skipped 3 bad example(s) (data.on_error=skip; 2 unparsable rows, 1 train / 0 test" in err
     data = json.loads((tmp_path / "run" / "summary.json").read_text())["data"]
-    assert data["splits"] == {"train": {"kept": 2, "skipped": 1}, "test": {"kept": 2, "skipped": 0}}
+    assert data["splits"] == {"train": {"kept": 2, "skipped": 1}, "test": {"kept": 2, "skipped": 0},
+                              "validation": {"kept": 0, "skipped": 0}}  # no task.validation_file
     assert data["skipped_total"] == 3 and data["skipped_rows"] == 2
     assert [s.split(": ")[0].rsplit("/", 1)[-1] for s in data["skipped"]] == \
         ["train.jsonl:2", "train.jsonl:3", "train.jsonl:4"]
@@ -126,3 +127,20 @@ def test_sft_cache_key_follows_the_data(tmp_path):
     first = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)
     (tmp_path / "a.jsonl").write_text(GOOD + "\n" + GOOD + "\n")
     assert cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed) != first   # same path, new content
+
+
+def test_eval_split_validation_needs_a_validation_file(capsys, tmp_path, files):
+    argv = [*files([GOOD]), "eval.split=validation"]
+    err = _fails(capsys, tmp_path, argv)
+    assert "eval.split=validation: the task has no validation examples; set task.validation_file" in err
+
+
+def test_eval_split_validation_scores_the_validation_rows(tmp_path, files):
+    from gspo.data import build_task, eval_examples
+    (tmp_path / "val.jsonl").write_text('{"prompt": "7+1=", "answer": "8"}\n')
+    argv = [*files([GOOD]), f"task.validation_file={tmp_path / 'val.jsonl'}"]
+    val = load_config(None, [*argv, "eval.split=validation"])
+    task = build_task(val)
+    assert [e.prompt for e in eval_examples(task, val)] == ["7+1="]
+    test = load_config(None, argv)  # the default split is still test
+    assert [e.prompt for e in eval_examples(task, test)] == ["2+2=", "3+3="]

@@ -32,7 +32,7 @@ def test_unknown_task_lists_valid_names():
 
 
 def test_build_bad_kwarg_lists_valid_ones():
-    valid = "valid arguments: seed, n_train, n_test, max_digits, ops, max_mul_digits"
+    valid = "valid arguments: seed, n_train, n_test, n_val, max_digits, ops, max_mul_digits"
     with pytest.raises(ValueError, match=f"task 'arithmetic'.*'max_digitz'; {valid}"):
         tasks.build("arithmetic", max_digitz=3)
 
@@ -109,8 +109,20 @@ def test_demonstrations_are_correct_short_ascii(name):
 
 def test_prompt_space_too_small_is_an_error():
     # 1-digit "+": only 100 distinct prompts
-    with pytest.raises(ValueError, match="found only 100 distinct prompts, 250 requested"):
-        tasks.build("arithmetic", max_digits=1, ops="+", n_train=200, n_test=50)
+    with pytest.raises(ValueError, match="found only 100 distinct prompts, 450 requested"):
+        tasks.build("arithmetic", max_digits=1, ops="+", n_train=200, n_test=50)  # + n_val=200
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "multistep", "countdown"])
+def test_validation_split_is_disjoint_and_moves_nothing_else(name):
+    task = tasks.build(name, seed=3, n_train=300, n_test=50, n_val=40)
+    train, test, val = ({e.prompt for e in task.split(s)} for s in ("train", "test", "validation"))
+    assert (len(train), len(test), len(val)) == (300, 50, 40)
+    assert not (val & train) and not (val & test) and not (train & test)
+    # drawn last: train and test are those of a task without validation examples
+    none = tasks.build(name, seed=3, n_train=300, n_test=50, n_val=0)
+    assert none.split("train") == task.split("train") and none.split("test") == task.split("test")
+    assert none.split("validation") == []
 
 
 def test_split_returns_a_copy():

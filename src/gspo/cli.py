@@ -116,6 +116,7 @@ def cmd_eval(args) -> int:
     from gspo.evaluation import evaluate
     from gspo.models import load_model
     from gspo.preflight import check_checkpoint, user_input
+    from gspo.data import eval_examples
     from gspo.trainer import DTYPES, build_task, resolve_device
     with user_input():
         cfg = _config(args)
@@ -123,7 +124,7 @@ def cmd_eval(args) -> int:
         task = build_task(cfg)
     model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype])
     model.to(resolve_device(cfg.model.device))
-    tests = task.split("test")[:cfg.eval.n] if cfg.eval.n else task.split("test")
+    tests = eval_examples(task, cfg)
     result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
                       k=cfg.eval.k, temperature=cfg.eval.temperature,
                       batch_size=cfg.eval.batch_size, seed=cfg.seed)

@@ -83,12 +83,16 @@ class TaskConfig(Section):
     """Training prompts to generate (built-in tasks; None: the task's default)."""
     n_test: int | None = Field(None, ge=1)
     """Held-out prompts to generate (built-in tasks; None: the task's default)."""
+    n_val: int | None = Field(None, ge=1)
+    """Validation prompts to generate, disjoint from train and test (built-in tasks; None: the task's default, 200). Used with eval.split=validation to choose hyper-parameters."""
     params: dict[str, Any] = {}
     """Task-specific generator options (e.g. {max_digits: 2} for arithmetic)."""
     train_file: str | None = None
     """custom task: JSONL file with 'prompt' and 'answer' per row (and any other columns)."""
     test_file: str | None = None
     """custom task: held-out JSONL file, same format."""
+    validation_file: str | None = None
+    """custom task: optional validation JSONL file, same format (needed for eval.split=validation)."""
     reward: str | None = None
     """custom task: reward function as 'module:function', called fn(completion, **row) -> float."""
     correct_threshold: float = 1.0
@@ -324,8 +328,10 @@ class DistConfig(Section):
 
 
 class EvalConfig(Section):
+    split: Literal["test", "validation"] = "test"
+    """Held-out split the evaluations score: test (what results report) | validation (for choosing hyper-parameters without looking at test, e.g. the `gspo compare` grid)."""
     n: int | None = Field(None, ge=1)
-    """Held-out prompts to evaluate (None: the whole test split)."""
+    """Held-out prompts to evaluate (None: the whole split)."""
     k: int = Field(4, ge=1)
     """Samples per prompt for mean pass@1 and pass@k."""
     temperature: float = Field(1.0, gt=0)

@@ -87,6 +87,17 @@ class CheckedTask(GuardedTask):
         return pick_split(self.inner.name, self._checked, name)
 
 
+def _split_or_empty(task, split: str) -> list[Example]:
+    """``task.split(split)``; a task without a validation split (a plugin, a custom task without
+    task.validation_file) has an empty one, refused only when evaluation asks for it."""
+    try:
+        return task.split(split)
+    except ValueError:
+        if split == "validation":
+            return []
+        raise
+
+
 def _where(task, split: str, i: int, ex: Example) -> tuple[str, int | None]:
     locations = getattr(task, "locations", None)
     if locations:
@@ -101,8 +112,8 @@ def prepare_task(task, cfg, log=None) -> CheckedTask:
     skip = cfg.data.on_error == "skip"
     listed = list(getattr(task, "skipped", []))  # JSONL rows the task itself refused
     splits, counts = {}, {}
-    for split in ("train", "test"):
-        examples = task.split(split)
+    for split in ("train", "test", "validation"):
+        examples = _split_or_empty(task, split)
         problems = example_problems(examples, tokenizer, context, cfg.rollout.max_new_tokens)
         for i, reason in problems.items():
             file, line = _where(task, split, i, examples[i])
@@ -111,7 +122,7 @@ def prepare_task(task, cfg, log=None) -> CheckedTask:
             listed.append(str(TaskDataError(file, line, reason)))
         splits[split] = [ex for i, ex in enumerate(examples) if i not in problems]
         counts[split] = {"kept": len(splits[split]), "skipped": len(problems)}
-        if not splits[split]:
+        if not splits[split] and (examples or split != "validation"):
             raise UserError(f"task {task.name}: every {split} example was skipped ({len(problems)}); "
                             f"first: {listed[-1] if listed else '?'}")
     parsed = len(getattr(task, "skipped", []))
@@ -124,6 +135,16 @@ def prepare_task(task, cfg, log=None) -> CheckedTask:
             f"{counts['test']['skipped']} test examples failing the tokenizer/context check); "
             f"first: {listed[0]} (counts and the first {MAX_LISTED} in summary.json, 'data')")
     return CheckedTask(task, splits, report, **guard_options(cfg.reward))
+
+
+def eval_examples(task, cfg) -> list[Example]:
+    """The first ``eval.n`` examples of the split ``eval.split`` names; an empty one is refused."""
+    examples = task.split(cfg.eval.split)
+    if not examples:
+        hint = ("set task.validation_file" if cfg.task.name == "custom" else
+                "this task has no validation split (task.n_val)")
+        raise UserError(f"eval.split={cfg.eval.split}: the task has no {cfg.eval.split} examples; {hint}")
+    return examples[:cfg.eval.n] if cfg.eval.n else examples
 
 
 def guard_options(policy) -> dict:
@@ -142,10 +163,12 @@ def build_task(cfg) -> CheckedTask:
             from gspo.rewards import sandbox_limits
             sandbox = asdict(sandbox_limits(cfg.reward))
         task = tasks.build("custom", train_file=t.train_file, test_file=t.test_file,
+                           validation_file=t.validation_file,
                            reward=t.reward, correct_threshold=t.correct_threshold,
                            on_error=cfg.data.on_error, sandbox=sandbox)
     else:
-        sizes = {k: v for k, v in (("n_train", t.n_train), ("n_test", t.n_test)) if v is not None}
+        sizes = {k: v for k, v in (("n_train", t.n_train), ("n_test", t.n_test),
+                                                   ("n_val", t.n_val)) if v is not None}
         try:
             task = tasks.build(t.name, seed=cfg.seed, **sizes, **t.params)
         except (ValueError, TypeError) as err:  # the generator's options come from task.params

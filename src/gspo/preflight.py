@@ -60,9 +60,9 @@ def check_checkpoint(key: str, path: str) -> None:
 def check_files(cfg) -> None:
     """Files named by the config exist (the config file itself is checked when read)."""
     if cfg.task.name == "custom":
-        for key in ("train_file", "test_file"):
+        for key in ("train_file", "test_file", "validation_file"):
             path = getattr(cfg.task, key)
-            if not Path(path).is_file():
+            if path is not None and not Path(path).is_file():
                 raise UserError(f"task.{key}: no such file {path!r}")
     if cfg.model.path:
         check_checkpoint("model.path", cfg.model.path)

@@ -141,9 +141,7 @@ class Trainer:
         self.spec = objectives.spec(self.algorithm.objective) if self.algorithm.objective else None
         self.objective = self.spec.fn if self.spec else None     # sft: no policy loss
         self.task = build_task(cfg)
-        self.train_set, self.test_set = self.task.split("train"), self.task.split("test")
-        if cfg.eval.n:
-            self.test_set = self.test_set[:cfg.eval.n]
+        self.train_set, self.test_set = self.task.split("train"), data.eval_examples(self.task, cfg)
         self.rewards = build_rewards([r.model_dump() for r in cfg.rewards], self.task, policy=cfg.reward)
         self.sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                        cfg.rollout.top_p, cfg.rollout.top_k)
@@ -662,7 +660,7 @@ class Trainer:
         after = self.history.get("eval_last") or self.history["eval_before"]
         summary = {
             "objective": self.cfg.objective.name, "task": self.cfg.task.name, "seed": self.cfg.seed,
-            "steps": self.cfg.train.steps, "wall_s": round(wall, 1),
+            "steps": self.cfg.train.steps, "wall_s": round(wall, 1), "eval_split": self.cfg.eval.split,
             "eval_before": self.history["eval_before"], "eval_after": after,
             "accuracy_gain": after["accuracy"] - self.history["eval_before"]["accuracy"],
             "cold_start": self.init_info, "final_checkpoint": str(final),

@@ -27,13 +27,15 @@ class Arithmetic:
         seed: int = 0,
         n_train: int = 5000,
         n_test: int = 200,
+        n_val: int = 200,
         max_digits: int = 2,
         ops: str = "+-",
         max_mul_digits: int = 1,
     ):
         """
         seed: generator seed; the same seed gives the same splits.
-        n_train, n_test: examples per split (disjoint by prompt).
+        n_train, n_test, n_val: examples per split (disjoint by prompt; validation is for
+            choosing hyper-parameters, e.g. the `gspo compare` grid, never test).
         max_digits: max digits of an operand (2: 0..99).
         ops: the operators to draw from, any of "+-*".
         max_mul_digits: max digits of the second operand of "*" (keeps products short).
@@ -43,7 +45,7 @@ class Arithmetic:
         if max_digits < 1 or max_mul_digits < 1:
             raise ValueError(f"arithmetic: max_digits, max_mul_digits must be >= 1, got {max_digits}, {max_mul_digits}")
         self.max_digits, self.ops, self.max_mul_digits = max_digits, ops, max_mul_digits
-        self._splits = make_splits(self.name, random.Random(seed), self._sample, n_train, n_test)
+        self._splits = make_splits(self.name, random.Random(seed), self._sample, n_train, n_test, n_val)
 
     def _sample(self, rng: random.Random) -> Example:
         op = rng.choice(self.ops)

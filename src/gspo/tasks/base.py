@@ -1,6 +1,6 @@
 """The task interface and the helpers every built-in task shares.
 
-A task is a seeded data generator with a verifier: `split("train" | "test")` gives `Example`s,
+A task is a seeded data generator with a verifier: `split("train" | "test" | "validation")` gives `Example`s,
 `reward(completion, example)` scores one completion, `is_correct` decides accuracy. This module
 holds the types, the name registry and the split builder; it holds no task of its own.
 """
@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from gspo.errors import UserError
 
-SPLITS = ("train", "test")
+SPLITS = ("train", "test", "validation")
 
 
 @dataclass(frozen=True)
@@ -109,23 +109,27 @@ def call_kwargs(fn: Callable, kwargs: dict, *, what: str, args: tuple = ()) -> N
 
 
 def make_splits(
-    task: str, rng: random.Random, sample: Callable[[random.Random], Example], n_train: int, n_test: int
+    task: str, rng: random.Random, sample: Callable[[random.Random], Example], n_train: int, n_test: int,
+    n_val: int = 0,
 ) -> dict[str, list[Example]]:
-    """Draw distinct prompts with `sample`, test split first (so it does not move with n_train).
+    """Draw distinct prompts with `sample`: test first, then train, then validation.
 
-    Train and test are disjoint by prompt. Fails if the task's prompt space is too small.
+    The three splits are disjoint by prompt. Test does not move with n_train, and neither test nor
+    train moves with n_val (validation is drawn last), so adding a validation split changes no
+    earlier run's data. Fails if the task's prompt space is too small.
     """
-    if n_train < 0 or n_test < 0:
-        raise ValueError(f"{task}: n_train and n_test must be >= 0, got {n_train}, {n_test}")
+    if min(n_train, n_test, n_val) < 0:
+        raise ValueError(f"{task}: n_train, n_test and n_val must be >= 0, got {n_train}, {n_test}, {n_val}")
     seen: set[str] = set()
-    out: dict[str, list[Example]] = {"train": [], "test": []}
-    budget = 50 * (n_train + n_test) + 1000  # rejection sampling: give up on a tiny prompt space
-    for split, n in (("test", n_test), ("train", n_train)):
+    out: dict[str, list[Example]] = {"train": [], "test": [], "validation": []}
+    total = n_train + n_test + n_val
+    budget = 50 * total + 1000  # rejection sampling: give up on a tiny prompt space
+    for split, n in (("test", n_test), ("train", n_train), ("validation", n_val)):
         while len(out[split]) < n:
             if budget == 0:
                 raise ValueError(
-                    f"{task}: found only {len(seen)} distinct prompts, {n_train + n_test} requested;"
-                    " lower n_train/n_test or raise the difficulty"
+                    f"{task}: found only {len(seen)} distinct prompts, {total} requested;"
+                    " lower n_train/n_test/n_val or raise the difficulty"
                 )
             budget -= 1
             ex = sample(rng)

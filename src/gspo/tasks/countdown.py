@@ -124,6 +124,7 @@ class Countdown:
         seed: int = 0,
         n_train: int = 5000,
         n_test: int = 200,
+        n_val: int = 200,
         min_numbers: int = 3,
         max_numbers: int = 4,
         max_number: int = 20,
@@ -133,7 +134,8 @@ class Countdown:
     ):
         """
         seed: generator seed; the same seed gives the same splits.
-        n_train, n_test: examples per split (disjoint by prompt).
+        n_train, n_test, n_val: examples per split (disjoint by prompt; validation is for
+            choosing hyper-parameters, e.g. the `gspo compare` grid, never test).
         min_numbers, max_numbers: how many numbers are given (TinyZero: 3-4).
         max_number: given numbers are drawn from 1..max_number (TinyZero: 1..99).
         max_target: targets lie in 1..max_target.
@@ -147,7 +149,7 @@ class Countdown:
         self.min_numbers, self.max_numbers = min_numbers, max_numbers
         self.max_number, self.max_target = max_number, max_target
         self.use_all, self.format_reward = use_all, format_reward
-        self._splits = make_splits(self.name, random.Random(seed), self._sample, n_train, n_test)
+        self._splits = make_splits(self.name, random.Random(seed), self._sample, n_train, n_test, n_val)
 
     def _sample(self, rng: random.Random) -> Example:
         while True:

@@ -105,16 +105,19 @@ class Custom:
     name = "custom"
 
     def __init__(self, train_file: str, test_file: str, reward: str, correct_threshold: float = 1.0,
-                 on_error: str = "fail", sandbox: dict | None = None):
+                 on_error: str = "fail", sandbox: dict | None = None, validation_file: str | None = None):
         """
         train_file, test_file: JSONL paths, one {"prompt": ..., "answer": ..., ...} object a line.
+        validation_file: optional JSONL path of the same format, for choosing hyper-parameters
+            (eval.split=validation); without it the validation split is empty.
         reward: "module:function", called as fn(completion, **row) -> float.
         correct_threshold: a completion counts as correct when its reward is >= this.
         on_error: a bad row fails (TaskDataError) or is skipped (listed in `skipped`).
         sandbox: None (import and call in-process) or gspo.sandbox.Limits fields (a worker process).
         """
-        self._splits, self.locations, self.skipped = {}, {}, []
-        for split, file in (("train", train_file), ("test", test_file)):
+        self._splits, self.locations, self.skipped = {"validation": []}, {"validation": []}, []
+        files = {"train": train_file, "test": test_file, "validation": validation_file}
+        for split, file in ((k, v) for k, v in files.items() if v is not None):
             examples, lines, skipped = read_jsonl_rows(file, on_error)
             self._splits[split] = examples
             self.locations[split] = [(str(file), n) for n in lines]

@@ -32,6 +32,7 @@ class MultiStep:
         seed: int = 0,
         n_train: int = 5000,
         n_test: int = 200,
+        n_val: int = 200,
         min_terms: int = 2,
         max_terms: int = 8,
         max_value: int = 50,
@@ -40,7 +41,8 @@ class MultiStep:
     ):
         """
         seed: generator seed; the same seed gives the same splits.
-        n_train, n_test: examples per split (disjoint by prompt).
+        n_train, n_test, n_val: examples per split (disjoint by prompt; validation is for
+            choosing hyper-parameters, e.g. the `gspo compare` grid, never test).
         min_terms, max_terms: how many numbers to add, drawn uniformly (answer length grows with it).
         max_value: numbers are drawn from 1..max_value.
         direct_fraction: share of demonstrations that give only "#total", without the steps.
@@ -57,7 +59,7 @@ class MultiStep:
         if not 0.0 <= flawed_fraction <= 1.0:
             raise ValueError(f"multistep: flawed_fraction must be in [0, 1], got {flawed_fraction}")
         self.direct_fraction, self.flawed_fraction = direct_fraction, flawed_fraction
-        self._splits = make_splits(self.name, random.Random(seed), self._sample, n_train, n_test)
+        self._splits = make_splits(self.name, random.Random(seed), self._sample, n_train, n_test, n_val)
 
     def _sample(self, rng: random.Random) -> Example:
         k = rng.randint(self.min_terms, self.max_terms)
