@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gspo import compare
 from gspo.cli import main
@@ -105,6 +106,28 @@ def test_suite_errors_name_the_problem(tmp_path):
     bad.write_text("base: configs/default.yaml\nvariants: [{name: a}]\nclaims: {stabilty: [a, a]}\n")
     with pytest.raises(compare.ConfigError, match="unknown claim 'stabilty'"):
         compare.load_suite(bad)
+    bad.write_text("base: configs/default.yaml\nvariants: [{name: a}]\ntune: {grid: {b: [[seed=1]]}}\n")
+    with pytest.raises(compare.ConfigError, match=r"tune.grid names variants \['b'\].*valid: \['a'\]"):
+        compare.load_suite(bad)
+
+
+def test_tune_score_is_mean_of_last_evaluations_and_ties_go_first(tmp_path):
+    from gspo.metrics import MetricsWriter
+    suite = compare.Suite(base="x.yaml", variants=[{"name": "a"}], tune={"last_evals": 2})
+    dirs = {}
+    for i, accs in enumerate([{0: 0.1, 2: 0.9, 4: 0.3, 6: 0.5},     # last two: (0.3 + 0.5) / 2 = 0.4
+                              {0: 0.1, 2: 0.2, 4: 0.4, 6: 0.4},     # 0.4: a tie, loses to c0
+                              {0: 0.1, 2: 0.0}]):                    # one evaluation: 0.0
+        w = MetricsWriter(tmp_path / f"c{i}", tensorboard=False)
+        for row in _rows(accs):
+            w.write(row)
+        w.close()
+        dirs[i] = [tmp_path / f"c{i}"]
+    scores = compare.tune_scores(suite, dirs)
+    assert [s["score"] for s in scores] == pytest.approx([0.4, 0.4, 0.0])
+    assert compare.choose(scores) == 0
+    scores[1]["score"] += 1e-9
+    assert compare.choose(scores) == 1
 
 
 @pytest.mark.parametrize("suite", ["dense", "moe", "followups"])
@@ -127,12 +150,27 @@ def test_quick_suite_end_to_end_and_reuse(tmp_path, monkeypatch, capsys):
     argv = ["compare", str(REPO / "configs/compare/dense.yaml"), *TINY,
             f"sft.cache_dir={tmp_path / 'cache'}", "--quick", "--seeds", "2",
             "--variants", "gspo,grpo", "--out", str(out)]
-    assert main(argv) == 0
+    assert main([*argv, "--jobs", "2"]) == 0     # worker processes: cold starts first, then runs
     results = json.loads((out / "results.json").read_text())
     assert set(results["variants"]) == {"gspo", "grpo"}
     for v in results["variants"].values():
         assert [r["seed"] for r in v["runs"]] == [0, 1]
         assert v["summary"]["final_accuracy"]["n"] == 2
+    # the grid: 3 candidates each, scored on validation, the best used by the test runs
+    suite = compare.load_suite(REPO / "configs/compare/dense.yaml")
+    for name in ("gspo", "grpo"):
+        tuned = results["tuning"]["variants"][name]
+        assert [c["overrides"] for c in tuned["candidates"]] == suite.tune.grid[name]
+        for c in tuned["candidates"]:
+            run = json.loads((Path(c["runs"][0]) / "summary.json").read_text())
+            assert run["eval_split"] == "validation" and run["steps"] == 3  # quick's steps win
+        best = max(c["score"] for c in tuned["candidates"])
+        assert tuned["candidates"][tuned["chosen"]]["score"] == best
+        assert results["variants"][name]["tuned_overrides"] == tuned["chosen_overrides"]
+        cfg = yaml.safe_load((out / name / "seed1" / "config.yaml").read_text())
+        eps = {o.split("=")[0]: float(o.split("=")[1]) for o in tuned["chosen_overrides"]}
+        assert cfg["objective"]["eps_low"] == eps["objective.eps_low"]
+        assert cfg["eval"]["split"] == "test"
     report = (out / "report.md").read_text()
     assert {c["claim"] for c in results["claims"]} == {"stability", "clipping"}
     for c in results["claims"]:
@@ -143,4 +181,5 @@ def test_quick_suite_end_to_end_and_reuse(tmp_path, monkeypatch, capsys):
         assert (out / "plots" / f"{png}.png").stat().st_size > 0
     capsys.readouterr()
     assert main(argv) == 0                       # second time: every run is reused
-    assert capsys.readouterr().err.count("reusing") == 4
+    assert capsys.readouterr().err.count("reusing") == 4 + 6   # 2 x 2 test runs, 2 x 3 candidates
+    assert "## Hyper-parameters" in report and "validation" in report

@@ -140,8 +140,10 @@ def cmd_compare(args) -> int:
         if not Path(args.suite).is_file():
             raise UserError(f"{args.suite}: no such suite file")
     only = args.variants.split(",") if args.variants else None
+    if args.jobs < 1 or args.seeds < 1:
+        raise UserError(f"--jobs and --seeds must be >= 1, got {args.jobs}, {args.seeds}")
     out = run_suite(args.suite, seeds=args.seeds, quick=args.quick, out=args.out,
-                    extra=args.extra, only=only)
+                    extra=args.extra, only=only, tune=not args.no_tune, jobs=args.jobs)
     print(f"comparison: {out}/report.md  ({out}/results.json, {out}/plots/)")
     return 0
 
@@ -207,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="apply the suite's quick budget")
     p.add_argument("--out", help="output folder (default runs/compare/<suite>[-quick])")
     p.add_argument("--variants", help="comma-separated subset of the suite's variants")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time, each in a worker process with cores/jobs threads (default 1)")
+    p.add_argument("--no-tune", action="store_true",
+                   help="skip the suite's validation grid: every variant at its paper defaults")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("audit", help="recompute the recorded steps of a run (audit.every=K)",
                        description="Reload π_old / π_new of recorded steps and recompute old "

@@ -2,20 +2,29 @@
 
 A suite names one base config, the overrides every variant shares (the budget: task, prompts per
 step, group size, max tokens, minibatches, steps) and the variants, which change only the
-objective, its clip range and switches such as routing replay. Each variant x seed is trained
-with ``gspo.trainer.Trainer`` into ``OUT/<variant>/seed<k>/``, one after another; a finished run
-whose resolved config is unchanged is reused. Then ``OUT/results.json``, ``OUT/report.md`` and
-``OUT/plots/*.png`` are written from the runs' ``metrics.jsonl`` and ``summary.json``.
+objective, its clip range and switches such as routing replay.
 
-It deliberately is not a hyper-parameter search: every variant uses its objective's paper defaults
-unless the suite overrides them (the validation-split grid of issue #7 is not implemented yet).
+1. Tuning (the suite's ``tune.grid``): each listed variant's candidate overrides (its clip range)
+   are trained at the same budget into ``OUT/tune/<variant>/c<i>/seed<k>/`` and scored on the
+   task's *validation* split (``eval.split=validation``); the best candidate joins the variant's
+   overrides. The test split is never looked at to choose.
+2. Test runs: each variant x seed into ``OUT/<variant>/seed<k>/``, evaluated on the test split.
+
+Runs go one after another, or ``jobs`` at a time in worker processes (each with cores / jobs
+threads); a finished run whose resolved config is unchanged is reused. Then ``OUT/results.json``,
+``OUT/report.md`` and ``OUT/plots/*.png`` are written from the runs' ``metrics.jsonl`` and
+``summary.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +51,17 @@ class Variant(Section):
     """What differs from the other variants: objective.name, its clip range, moe.routing_replay."""
 
 
+class Tune(Section):
+    grid: dict[str, list[list[str]]] = {}
+    """Variant name -> candidate override lists (e.g. its clip range), the paper default first; a variant not listed is not tuned."""
+    seeds: int = Field(1, ge=1)
+    """Seeds per candidate (0..K-1); the score is averaged over them."""
+    last_evals: int = Field(3, ge=1)
+    """A candidate's score: its mean validation accuracy over its last this-many evaluations (ties: the earlier candidate)."""
+    overrides: list[str] = []
+    """Overrides for the tuning runs only (before --quick's); eval.split=validation is always added."""
+
+
 class Suite(Section):
     base: str | BaseSpec
     """Base config path, or {config, overrides}."""
@@ -58,6 +78,8 @@ class Suite(Section):
     claims: dict[str, list[str]] = {}
     """Paper claims to judge -> the variant names they compare, e.g. {stability: [gspo, grpo]};
     a claim whose variants were not run is left out. Claims: ``available_claims()``."""
+    tune: Tune = Tune()
+    """Validation-split grid that picks each variant's hyper-parameters before the test runs."""
 
 
 def load_suite(path: str | Path) -> Suite:
@@ -71,6 +93,12 @@ def load_suite(path: str | Path) -> Suite:
     names = [v.name for v in suite.variants]
     if len(set(names)) != len(names):
         raise ConfigError(f"{path}: variant names must be unique, got {names}")
+    unknown = sorted(set(suite.tune.grid) - set(names))
+    if unknown:
+        raise ConfigError(f"{path}: tune.grid names variants {unknown} the suite does not have; valid: {names}")
+    for name, candidates in suite.tune.grid.items():
+        if not candidates:
+            raise ConfigError(f"{path}: tune.grid.{name} lists no candidates")
     for claim, roles in suite.claims.items():
         if claim not in CLAIMS:
             raise ConfigError(f"{path}: unknown claim {claim!r}; valid: {', '.join(CLAIMS)}")
@@ -88,12 +116,21 @@ def _find(path: str, suite_file: Path) -> Path:
 
 
 def resolve(suite: Suite, suite_file: Path, variant: Variant, seed: int, out: Path, *,
-            quick: bool, extra: list[str] = ()) -> TrainConfig:
-    """base file < shared overrides < quick < extra (CLI) < variant < seed and run folder."""
+            quick: bool, extra: list[str] = (), candidate: int | None = None,
+            chosen: list[str] = ()) -> TrainConfig:
+    """One run's config: base file < shared overrides < (tuning: tune.overrides) < quick < extra
+    (CLI) < variant < its chosen or candidate overrides < (tuning: eval.split=validation) < seed
+    and run folder. ``candidate`` i: the i-th tuning run of the variant, else a test run."""
     base = suite.base if isinstance(suite.base, BaseSpec) else BaseSpec(config=suite.base)
-    run_dir = out / variant.name / f"seed{seed}"
-    overrides = [*base.overrides, *suite.overrides, *(suite.quick if quick else []), *extra,
-                 *variant.overrides, f"seed={seed}", f"run.dir={run_dir}", "run.overwrite=true", "run.progress=false"]
+    tuning = candidate is not None
+    if tuning:
+        run_dir = out / "tune" / variant.name / f"c{candidate}" / f"seed{seed}"
+        own = [*suite.tune.grid[variant.name][candidate], "eval.split=validation"]
+    else:
+        run_dir, own = out / variant.name / f"seed{seed}", list(chosen)
+    overrides = [*base.overrides, *suite.overrides, *(suite.tune.overrides if tuning else []),
+                 *(suite.quick if quick else []), *extra, *variant.overrides, *own,
+                 f"seed={seed}", f"run.dir={run_dir}", "run.overwrite=true", "run.progress=false"]
     return load_config(_find(base.config, suite_file), overrides)
 
 
@@ -107,12 +144,112 @@ def _finished(cfg: TrainConfig) -> bool:
     return yaml.safe_load((run_dir / "config.yaml").read_text()) == cfg.model_dump(mode="json")
 
 
+def _job(kind: str, config: dict, threads: int | None) -> None:
+    """One worker's job (top level, so that spawned processes can import it): 'cold_start'
+    trains or loads the cached SFT policy only; 'train' runs the whole ``Trainer``."""
+    import torch
+
+    from gspo.trainer import Trainer, build_task, initial_policy
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = TrainConfig.model_validate(config)
+    if kind == "cold_start":
+        initial_policy(cfg, build_task(cfg), log=lambda m: None, progress=False)
+    else:
+        Trainer(cfg, log=lambda m: None).run()
+
+
+def _cold_start_key(cfg: TrainConfig) -> str | None:
+    from gspo.sft import cache_key, cached_checkpoint
+    if cfg.model.path or not cfg.sft.enabled or cfg.sft.steps == 0:
+        return None
+    key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)
+    return None if cached_checkpoint(cfg.sft.cache_dir, key) else key
+
+
+def train_all(runs: dict[str, TrainConfig], jobs: int, log: Callable[[str], None]) -> None:
+    """Train every unfinished run: in this process (jobs=1) or ``jobs`` worker processes.
+
+    With workers, the cold starts the runs need and the cache lacks are trained first, one per
+    distinct cache key, so that two runs never train the same cold start at once.
+    """
+    todo = {}
+    for label, cfg in runs.items():
+        if _finished(cfg):
+            log(f"compare: {label}: reusing {cfg.run.dir}")
+        else:
+            todo[label] = cfg
+    if not todo:
+        return
+    if jobs == 1:
+        for label, cfg in todo.items():
+            log(f"compare: {label}: training into {cfg.run.dir}")
+            t0 = time.perf_counter()
+            _job("train", cfg.model_dump(mode="json"), None)
+            log(f"compare: {label}: done in {time.perf_counter() - t0:.0f} s")
+        return
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    cold = {}
+    for label, cfg in todo.items():
+        if (key := _cold_start_key(cfg)) is not None:
+            cold.setdefault(key, (f"cold start {key} (for {label})", cfg))
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        for stage, batch in (("cold_start", dict(cold.values())), ("train", todo)):
+            _run_batch(pool, stage, batch, threads, log)
+
+
+def _run_batch(pool, kind: str, batch: dict[str, TrainConfig], threads: int, log) -> None:
+    """Submit every job of ``batch``, log each as it ends; the first failure is raised once
+    the jobs in flight have finished (their runs are kept)."""
+    started, failed = {}, []
+    for label, cfg in batch.items():
+        log(f"compare: {label}: {'training into ' + str(cfg.run.dir) if kind == 'train' else 'started'}")
+        fut = pool.submit(_job, kind, cfg.model_dump(mode="json"), threads)
+        started[fut] = (label, time.perf_counter())
+    pending = set(started)
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for fut in done:
+            label, t0 = started[fut]
+            if fut.cancelled():
+                log(f"compare: {label}: not run (an earlier job failed)")
+            elif fut.exception() is None:
+                log(f"compare: {label}: done in {time.perf_counter() - t0:.0f} s")
+            else:
+                log(f"compare: {label}: FAILED: {fut.exception()}")
+                failed.append(fut.exception())
+                for other in pending:
+                    other.cancel()  # not started yet: skipped
+    if failed:
+        raise failed[0]
+
+
+def tune_scores(suite: Suite, dirs: dict[int, list[Path]]) -> list[dict]:
+    """Each candidate's overrides, per-seed and mean validation scores (``Tune.last_evals``)."""
+    out = []
+    for i, seeds in sorted(dirs.items()):
+        per_seed = []
+        for run_dir in seeds:
+            series = eval_series(read_metrics(run_dir))
+            last = [a for _, a in series[1:]][-suite.tune.last_evals:] or [a for _, a in series]
+            per_seed.append(statistics.fmean(last))
+        out.append({"candidate": i, "score": statistics.fmean(per_seed), "per_seed": per_seed,
+                    "runs": [str(d) for d in seeds]})
+    return out
+
+
+def choose(scores: list[dict]) -> int:
+    """Index of the best-scoring candidate; ties go to the earlier one (the paper default first)."""
+    return max(range(len(scores)), key=lambda i: (scores[i]["score"], -i))
+
+
 def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
               out: str | Path | None = None, extra: list[str] = (),
-              only: list[str] | None = None, log: Callable[[str], None] | None = None) -> Path:
-    """Train every variant x seed (reusing finished runs), then write results and report."""
+              only: list[str] | None = None, tune: bool = True, jobs: int = 1,
+              log: Callable[[str], None] | None = None) -> Path:
+    """Tune (validation split), train every variant x seed (reusing finished runs), then write
+    results and report."""
     from gspo.compare_report import write_report
-    from gspo.trainer import Trainer
     log = log or (lambda m: print(m, file=sys.stderr))
     suite_file = Path(suite_file)
     suite = load_suite(suite_file)
@@ -123,16 +260,35 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
             raise ConfigError(f"--variants: unknown {unknown}; valid: {[v.name for v in variants]}")
         variants = [v for v in variants if v.name in only]
     out = Path(out or Path("runs/compare") / (suite_file.stem + ("-quick" if quick else "")))
-    configs = {(v.name, k): resolve(suite, suite_file, v, k, out, quick=quick, extra=extra)
-               for v in variants for k in range(seeds)}  # all validated before the first run
-    for (name, k), cfg in configs.items():
-        if _finished(cfg):
-            log(f"compare: {name} seed {k}: reusing {cfg.run.dir}")
-            continue
-        log(f"compare: {name} seed {k}: training into {cfg.run.dir}")
-        Trainer(cfg, log=lambda m: None).run()
+
+    def config(v: Variant, k: int, **kw) -> TrainConfig:
+        return resolve(suite, suite_file, v, k, out, quick=quick, extra=extra, **kw)
+
+    tuned = [v for v in variants if tune and v.name in suite.tune.grid]
+    grid = {(v.name, i, k): config(v, k, candidate=i) for v in tuned
+            for i in range(len(suite.tune.grid[v.name])) for k in range(suite.tune.seeds)}
+    for v in variants:  # every test config validates before the first run (with any candidate)
+        for cand in suite.tune.grid.get(v.name, [[]]) if v in tuned else [[]]:
+            config(v, 0, chosen=cand)
+    train_all({f"tune {n} candidate {i} seed {k}": c for (n, i, k), c in grid.items()}, jobs, log)
+    tuning, chosen = {}, {}
+    for v in tuned:
+        scores = tune_scores(suite, {i: [Path(grid[v.name, i, k].run.dir) for k in range(suite.tune.seeds)]
+                                     for i in range(len(suite.tune.grid[v.name]))})
+        best = choose(scores)
+        chosen[v.name] = suite.tune.grid[v.name][best]
+        for s in scores:
+            s["overrides"] = suite.tune.grid[v.name][s["candidate"]]
+        tuning[v.name] = {"candidates": scores, "chosen": best, "chosen_overrides": chosen[v.name]}
+        log(f"compare: tuned {v.name}: {' '.join(chosen[v.name])} (validation score "
+            f"{scores[best]['score']:.3f})")
+    configs = {(v.name, k): config(v, k, chosen=chosen.get(v.name, [])) for v in variants for k in range(seeds)}
+    train_all({f"{n} seed {k}": c for (n, k), c in configs.items()}, jobs, log)
     runs = {v.name: [Path(configs[v.name, k].run.dir) for k in range(seeds)] for v in variants}
-    results = collect(suite, runs, quick=quick, suite_file=str(suite_file), extra=list(extra))
+    results = collect(suite, runs, quick=quick, suite_file=str(suite_file), extra=list(extra),
+                      chosen=chosen)
+    results["tuning"] = {"enabled": tune, "seeds": suite.tune.seeds, "last_evals": suite.tune.last_evals,
+                         "overrides": suite.tune.overrides, "variants": tuning}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     write_report(results, runs, out)
     return out
@@ -206,8 +362,10 @@ def aggregate(per_seed: list[dict]) -> dict:
     return agg
 
 
-def collect(suite: Suite, runs: dict[str, list[Path]], **meta) -> dict:
-    variants = {}
+def collect(suite: Suite, runs: dict[str, list[Path]], chosen: dict[str, list[str]] | None = None,
+            **meta) -> dict:
+    """results.json's body: per variant its overrides (with the tuned ones), runs and summary."""
+    chosen, variants = chosen or {}, {}
     for v in suite.variants:
         if v.name not in runs:
             continue
@@ -218,7 +376,8 @@ def collect(suite: Suite, runs: dict[str, list[Path]], **meta) -> dict:
             summary["rollout_size"] = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"]
             per_seed.append(run_stats(read_metrics(run_dir), summary, suite.threshold,
                                       suite.collapse_min_gain))
-        variants[v.name] = {"overrides": v.overrides, "runs": per_seed, "summary": aggregate(per_seed)}
+        variants[v.name] = {"overrides": v.overrides, "tuned_overrides": chosen.get(v.name, []),
+                            "runs": per_seed, "summary": aggregate(per_seed)}
     results = {**meta, "quick_overrides": suite.quick, "threshold": suite.threshold, "collapse_min_gain": suite.collapse_min_gain,
                "shared_overrides": suite.overrides, "variants": variants}
     results["claims"] = judge_claims(suite.claims, variants)

@@ -105,6 +105,30 @@ def table(results: dict) -> list[str]:
     return lines
 
 
+def tuning_section(tuning: dict) -> list[str]:
+    """The grid, each candidate's validation score and the choice, as report lines."""
+    lines = ["## Hyper-parameters", ""]
+    if not tuning.get("enabled", False) or not tuning.get("variants"):
+        why = "tuning was switched off (--no-tune)" if tuning and not tuning.get("enabled") else \
+            "the suite lists no grid"
+        return lines + [f"Each objective's paper defaults (src/gspo/objectives.py): {why}."]
+    lines += [f"Chosen on the task's **validation** split (disjoint from train and test; the test "
+              f"split is never looked at to choose), at the same budget as the test runs, "
+              f"{tuning['seeds']} seed(s) per candidate"
+              + (f", tuning overrides `{' '.join(tuning['overrides'])}`" if tuning["overrides"] else "")
+              + f". Score: mean validation accuracy over a run's last {tuning['last_evals']} "
+              "evaluations, averaged over seeds; ties go to the earlier candidate (the paper default "
+              "is listed first). Variants not listed use their paper defaults.", "",
+              "| variant | candidate | validation score | chosen |", "|---|---|---|---|"]
+    for name, t in tuning["variants"].items():
+        for c in t["candidates"]:
+            per = ", ".join(f"{x:.3f}" for x in c["per_seed"])
+            lines.append(f"| {name} | `{' '.join(c['overrides'])}` | {c['score']:.3f}"
+                         + (f" ({per})" if len(c["per_seed"]) > 1 else "")
+                         + f" | {'**yes**' if c['candidate'] == t['chosen'] else ''} |")
+    return lines
+
+
 def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> Path:
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -123,9 +147,10 @@ def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> P
              f"Shared overrides (the budget): `{' '.join(results['shared_overrides'] + results['extra']) or 'none'}`; "
              + (f"--quick adds `{' '.join(results['quick_overrides'])}`. " if results["quick"] else "")
              + "Each variant adds only its own overrides:", ""]
-    lines += [f"* **{n}**: `{' '.join(v['overrides']) or '(base)'}`" for n, v in results["variants"].items()]
-    lines += ["", "Hyper-parameters: each objective's paper defaults unless the overrides above say "
-              "otherwise; no clip-range grid was searched (not implemented yet).", "",
+    lines += [f"* **{n}**: `{' '.join(v['overrides'] + v.get('tuned_overrides', [])) or '(base)'}`"
+              + (" (the last ones chosen on the validation split)" if v.get("tuned_overrides") else "")
+              for n, v in results["variants"].items()]
+    lines += ["", *tuning_section(results.get("tuning") or {}), "",
               "## Results", "", *table(results), "",
               "Mean ± sample std over seeds. *Final*: last held-out evaluation; *best*: the highest "
               "one (cold start included). *Steps to* the threshold: first evaluated RL step at or "
@@ -144,8 +169,9 @@ def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> P
         lines.append(f"* **{c['statement']}** ({' vs '.join(c['variants'])}): "
                      f"**{c['verdict']}**: {c['numbers']}.")
     lines += ["", "To test further: more seeds (the spread shrinks as 1/√K), longer runs "
-              "(collapse needs time to show), a larger eval.n (finer accuracy), and a "
-              "clip-range grid on a validation split.", "", "## Plots", "", *figures, ""]
+              "(collapse needs time to show), a larger eval.n (finer accuracy), a larger model "
+              "and longer responses (the paper's regime), and a wider grid (learning rate too).",
+              "", "## Plots", "", *figures, ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

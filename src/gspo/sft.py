@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -66,11 +67,17 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
     return history
 
 
+# Task fields that do not change the training split: left out of the key, so setting them reuses
+# the cold start (validation is drawn after train; see gspo.tasks.base.make_splits).
+NOT_TRAINING_DATA = {"n_val", "validation_file"}
+
+
 def cache_key(model_cfg, task_cfg, sft_cfg: SFTConfig, seed: int) -> str:
     sft = sft_cfg.model_dump(exclude={"cache_dir", "enabled"})
+    task = task_cfg.model_dump(exclude=NOT_TRAINING_DATA) if hasattr(task_cfg, "model_dump") else task_cfg
     train_file = getattr(task_cfg, "train_file", None)  # custom data: its content, not only its path
     data = [hashlib.sha256(Path(train_file).read_bytes()).hexdigest()] if train_file else []
-    return config_hash(model_cfg, task_cfg, sft, seed, *data)
+    return config_hash(model_cfg, task, sft, seed, *data)
 
 
 def cached_checkpoint(cache_dir: str | Path, key: str) -> Path | None:
@@ -79,12 +86,21 @@ def cached_checkpoint(cache_dir: str | Path, key: str) -> Path | None:
 
 
 def save_cold_start(model, tokenizer, cache_dir: str | Path, key: str, info: dict) -> Path:
-    """Write atomically: a half-written cache entry is never mistaken for a finished one."""
+    """Write atomically: a half-written cache entry is never mistaken for a finished one, and two
+    processes that trained the same cold start at once (parallel ``gspo compare`` jobs) keep one."""
     final = Path(cache_dir) / key
-    tmp = Path(cache_dir) / f".{key}.tmp"
+    tmp = Path(cache_dir) / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(model, tokenizer, tmp)
     (tmp / DONE_FILE).write_text(json.dumps(info, indent=1))
+    if cached_checkpoint(cache_dir, key) is not None:  # another process finished it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return final
     shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    try:
+        tmp.rename(final)
+    except OSError:  # lost the race between the check and the rename
+        if cached_checkpoint(cache_dir, key) is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return final
