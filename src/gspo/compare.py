@@ -144,19 +144,24 @@ def _finished(cfg: TrainConfig) -> bool:
     return yaml.safe_load((run_dir / "config.yaml").read_text()) == cfg.model_dump(mode="json")
 
 
-def _job(kind: str, config: dict, threads: int | None) -> None:
+def _job(kind: str, config: dict, threads: int | None) -> float:
     """One worker's job (top level, so that spawned processes can import it): 'cold_start'
-    trains or loads the cached SFT policy only; 'train' runs the whole ``Trainer``."""
+    trains or loads the cached SFT policy only; 'train' runs the whole ``Trainer``. Returns its
+    seconds. In a worker (``threads`` set) library progress bars are off: the parent logs."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     from gspo.trainer import Trainer, build_task, initial_policy
+    t0 = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
+        hf_logging.disable_progress_bar()
     cfg = TrainConfig.model_validate(config)
     if kind == "cold_start":
         initial_policy(cfg, build_task(cfg), log=lambda m: None, progress=False)
     else:
         Trainer(cfg, log=lambda m: None).run()
+    return time.perf_counter() - t0
 
 
 def _cold_start_key(cfg: TrainConfig) -> str | None:
@@ -184,9 +189,8 @@ def train_all(runs: dict[str, TrainConfig], jobs: int, log: Callable[[str], None
     if jobs == 1:
         for label, cfg in todo.items():
             log(f"compare: {label}: training into {cfg.run.dir}")
-            t0 = time.perf_counter()
-            _job("train", cfg.model_dump(mode="json"), None)
-            log(f"compare: {label}: done in {time.perf_counter() - t0:.0f} s")
+            seconds = _job("train", cfg.model_dump(mode="json"), None)
+            log(f"compare: {label}: done in {seconds:.0f} s")
         return
     threads = max(1, (os.cpu_count() or 1) // jobs)
     cold = {}
@@ -203,18 +207,17 @@ def _run_batch(pool, kind: str, batch: dict[str, TrainConfig], threads: int, log
     the jobs in flight have finished (their runs are kept)."""
     started, failed = {}, []
     for label, cfg in batch.items():
-        log(f"compare: {label}: {'training into ' + str(cfg.run.dir) if kind == 'train' else 'started'}")
-        fut = pool.submit(_job, kind, cfg.model_dump(mode="json"), threads)
-        started[fut] = (label, time.perf_counter())
+        log(f"compare: {label}: queued" + (f" (into {cfg.run.dir})" if kind == "train" else ""))
+        started[pool.submit(_job, kind, cfg.model_dump(mode="json"), threads)] = label
     pending = set(started)
     while pending:
         done, pending = wait(pending, return_when=FIRST_COMPLETED)
         for fut in done:
-            label, t0 = started[fut]
+            label = started[fut]
             if fut.cancelled():
                 log(f"compare: {label}: not run (an earlier job failed)")
             elif fut.exception() is None:
-                log(f"compare: {label}: done in {time.perf_counter() - t0:.0f} s")
+                log(f"compare: {label}: done in {fut.result():.0f} s")
             else:
                 log(f"compare: {label}: FAILED: {fut.exception()}")
                 failed.append(fut.exception())
