@@ -24,7 +24,6 @@ what a reward means, and never retries.
 from __future__ import annotations
 
 import math
-import numbers
 import queue
 import sys
 import threading
@@ -34,6 +33,7 @@ import torch
 
 from gspo.advantages import group_advantages
 from gspo.errors import RewardError, RewardFault
+from gspo.tasks.base import reward_value
 
 MAX_LOGGED = 5  # failure messages printed per reward source and run (all are counted)
 
@@ -89,15 +89,11 @@ class TimedCaller:
 
 
 def check_value(value) -> float:
-    """A finite real number as float, else RewardFault saying what came back."""
-    if value is None:
-        raise RewardFault("returned None, expected a number")
-    if not isinstance(value, numbers.Real):
-        raise RewardFault(f"returned {type(value).__name__} {repr(value)[:60]}, expected a number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise RewardFault(f"returned a non-finite value {value}")
-    return value
+    """``gspo.tasks.base.reward_value``, its error as a RewardFault (the guard's own fault)."""
+    try:
+        return reward_value(value)
+    except (TypeError, ValueError) as err:
+        raise RewardFault(str(err)) from None
 
 
 def describe(err: BaseException) -> str:

@@ -146,11 +146,20 @@ def pick_split(task: str, splits: dict[str, list[Example]], name: str) -> list[E
     return list(splits[name])
 
 
-def to_reward(value: Any, source: str) -> float:
-    """Check that a reward is a finite real number; errors name the `source` that produced it."""
+def reward_value(value: Any) -> float:
+    """A reward as float if it is a finite real number; else TypeError / ValueError saying what
+    came back ("returned str '1.0', expected a number"). The one check every reward path uses."""
     if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward {source} returned {type(value).__name__} {value!r}, expected a number")
+        raise TypeError(f"returned {type(value).__name__} {repr(value)[:60]}, expected a number")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"reward {source} returned a non-finite value {value}")
+        raise ValueError(f"returned a non-finite value {value}")
     return value
+
+
+def to_reward(value: Any, source: str) -> float:
+    """``reward_value``, its errors naming the `source` that produced the value."""
+    try:
+        return reward_value(value)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"reward {source} {err}") from None
