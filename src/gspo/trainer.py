@@ -307,13 +307,15 @@ class Trainer:
         """``response_logprobs`` (through the FSDP root when the model is sharded). ``rows``: the
         batch's rows in the rollout batch (CPU), whose groups of G share a prompt: each prompt then
         runs once (not for MoE, whose routing capture needs every row in one forward, nor under
-        fsdp, whose forwards are collectives that every rank must run alike)."""
+        fsdp, whose forwards are collectives that every rank must run alike). Padding columns no
+        response token depends on are trimmed (not for MoE: its routing capture records every column)."""
         shared = rows is not None and not self.is_moe and self.dist.policy is None
         groups = rows // self.cfg.rollout.group_size if shared else None
         return self.dist.logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
                                   temperature=self.cfg.rollout.temperature,
                                   chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
-                                  entropy_grad=self.cfg.train.entropy_coef > 0, prompt_groups=groups)
+                                  entropy_grad=self.cfg.train.entropy_coef > 0, prompt_groups=groups,
+                                  trim=not self.is_moe)
 
     @torch.no_grad()
     def old_logprobs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
