@@ -42,6 +42,24 @@ class TokenLogProbs:
     """[N, T] float32 log π(y_t | x, y_<t) at the sampling temperature; 0 where mask == 0."""
     entropy: torch.Tensor | None
     """[N, T] float32 entropy of π(· | x, y_<t); 0 where mask == 0; detached unless requested."""
+    layout: "DecoderLayout | None" = None
+    """The decoder forwards that ran (to lay out per-column records of them, e.g. MoE routing)."""
+
+
+@dataclass
+class DecoderLayout:
+    """The decoder forwards behind a `response_logprobs` call, in call order.
+
+    They covered columns ``start .. stop-1`` of the L input columns (`trim`). With shared prompts
+    there were two: the first ``prefix`` of those columns for one row per group, then the others
+    for all N rows, row i's prompt coming from row ``prefix_rows[i]`` of the first; else one.
+    """
+
+    length: int
+    start: int
+    stop: int
+    prefix: int = 0
+    prefix_rows: torch.Tensor | None = None  # [N]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -96,9 +114,10 @@ def trim_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> t
 
 def _shared_prompt_hidden(
     decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, groups: torch.Tensor
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor, int, torch.Tensor] | None:
     """`_response_hidden` running each group's prompt once: its first L-T columns for one row per
-    group, their KV cache gathered to every row, then the last T columns of all rows.
+    group, their KV cache gathered to every row, then the last T columns of all rows:
+    (hidden [N, T, H], P, the prefix row of each row [N]).
     None when nothing is shared or the decoder's cache cannot be gathered."""
     uniq, inverse = torch.unique(groups, return_inverse=True)  # CPU: no device sync
     N, L = input_ids.shape
@@ -118,19 +137,19 @@ def _shared_prompt_hidden(
     out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=positions[:, P:],
                   use_cache=True, **{name: cache})
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [N, T, H]
-    return hidden  # [N, T, H] the last T columns
+    return hidden, P, inverse  # [N, T, H] the last T columns
 
 
 def _decoder_hidden(
     decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int,
     groups: torch.Tensor | None = None, **forward_kwargs
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """Hidden states [N, T, H] at the last T columns of the decoder input [N, L] (each prompt once
-    by `groups` when it can be)."""
+    by `groups` when it can be), the shared prefix columns P (0: none) and its rows [N] (or None)."""
     if groups is not None and not forward_kwargs:
-        hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, T, groups)
-        if hidden is not None:
-            return hidden
+        shared = _shared_prompt_hidden(decoder, input_ids, attention_mask, T, groups)
+        if shared is not None:
+            return shared
     out = decoder(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -139,7 +158,7 @@ def _decoder_hidden(
         **forward_kwargs,
     )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [N, L, H]
-    return hidden[:, -T:]  # [N, T, H]
+    return hidden[:, -T:], 0, None  # [N, T, H]
 
 
 def _response_hidden(
@@ -148,7 +167,7 @@ def _response_hidden(
 ) -> torch.Tensor:
     """Hidden states [N, T, H] at the positions that predict the response tokens (L-T-1 .. L-2),
     from a decoder pass over all L columns."""
-    return _decoder_hidden(decoder, input_ids, attention_mask, T + 1, groups, **forward_kwargs)[:, :T]
+    return _decoder_hidden(decoder, input_ids, attention_mask, T + 1, groups, **forward_kwargs)[0][:, :T]
 
 
 def _chunk_logprobs(
@@ -242,14 +261,17 @@ def response_logprobs(
     """
     T = _check_layout(input_ids, response_mask)
     decoder, head = _decoder_and_head(model)
-    L, T_kept = input_ids.shape[1], 0
+    L, a, b, T_kept = input_ids.shape[1], 0, input_ids.shape[1], 0
     if trim and not forward_kwargs:  # per-position kwargs (MoE routing replay) need every column
         a, b, T_kept = trim_columns(attention_mask, response_mask)
     if T_kept:  # [N, T', H] positions L-T-1 .. L-T+T'-2
-        hidden = _decoder_hidden(decoder, input_ids[:, a:b], attention_mask[:, a:b], T_kept, prompt_groups)
-    else:  # untrimmed (or no response token at all)
-        hidden = _response_hidden(decoder, input_ids, attention_mask, T, prompt_groups, **forward_kwargs)
-        T_kept = T
+        hidden, P, prefix_rows = _decoder_hidden(decoder, input_ids[:, a:b], attention_mask[:, a:b],
+                                                 T_kept, prompt_groups)
+    else:  # untrimmed (or no response token at all): all L columns
+        a, b, T_kept = 0, L, T
+        hidden, P, prefix_rows = _decoder_hidden(decoder, input_ids, attention_mask, T + 1, prompt_groups,
+                                                 **forward_kwargs)
+        hidden = hidden[:, :T]  # [N, T, H] positions L-T-1 .. L-2
     mask = response_mask[:, :T_kept].bool()  # [N, T']
     logp_k, ent_k = _packed_logprobs(
         head,
@@ -262,7 +284,8 @@ def response_logprobs(
         entropy_grad=entropy_grad,
     )
     entropy = _unpack(ent_k, mask, T) if with_entropy else None  # [N, T]
-    return TokenLogProbs(logp=_unpack(logp_k, mask, T), entropy=entropy)  # [N, T]
+    layout = DecoderLayout(L, a, b, P, prefix_rows)
+    return TokenLogProbs(logp=_unpack(logp_k, mask, T), entropy=entropy, layout=layout)  # [N, T]
 
 
 def naive_response_logprobs(

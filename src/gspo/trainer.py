@@ -306,16 +306,23 @@ class Trainer:
                   rows: torch.Tensor | None = None):
         """``response_logprobs`` (through the FSDP root when the model is sharded). ``rows``: the
         batch's rows in the rollout batch (CPU), whose groups of G share a prompt: each prompt then
-        runs once (not for MoE, whose routing capture needs every row in one forward, nor under
-        fsdp, whose forwards are collectives that every rank must run alike). Padding columns no
-        response token depends on are trimmed (not for MoE: its routing capture records every column)."""
-        shared = rows is not None and not self.is_moe and self.dist.policy is None
+        runs once (not under fsdp, whose forwards are collectives that every rank must run alike).
+        Padding columns no response token depends on are trimmed. Both only when ``split_forwards``."""
+        split = self.split_forwards()
+        shared = rows is not None and split and self.dist.policy is None
         groups = rows // self.cfg.rollout.group_size if shared else None
         return self.dist.logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
                                   temperature=self.cfg.rollout.temperature,
                                   chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
                                   entropy_grad=self.cfg.train.entropy_coef > 0, prompt_groups=groups,
-                                  trim=not self.is_moe)
+                                  trim=split)
+
+    def split_forwards(self) -> bool:
+        """Whether a log-prob pass may run as a trimmed and prompt-shared set of forwards. MoE: only
+        when the routing is just captured (its forwards are laid out again, ``cap.layout``), not
+        replayed, nor needed in one piece for the aux loss."""
+        moe_cfg = self.cfg.moe
+        return not self.is_moe or (moe_cfg.routing_replay == "none" and moe_cfg.aux_loss_coef == 0)
 
     @torch.no_grad()
     def old_logprobs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -332,7 +339,10 @@ class Trainer:
         else:
             sub = batch.select(rows.to(batch.input_ids.device))
         with self.routing_context(sub) as cap:
-            logp = self._logprobs(self.model, sub, with_entropy=False, rows=rows).logp  # [n, T]
+            out = self._logprobs(self.model, sub, with_entropy=False, rows=rows)
+        logp = out.logp  # [n, T]
+        if cap is not None:
+            cap.layout = out.layout   # the forwards that ran, for cap.routing
         if self.is_moe and "routing" not in batch.extras:
             self._store_routing(batch, rows, cap.routing)  # π_old's experts [N, L, layers, k]
         if rows is None:
@@ -467,6 +477,8 @@ class Trainer:
         if len(rows):
             with self.routing_context(mb, keep_logits=aux_coef > 0) as cap:
                 out = self._logprobs(self.model, mb, with_entropy=True, rows=cpu_rows)  # [n, T]
+            if cap is not None:
+                cap.layout = out.layout   # the forwards that ran, for cap.routing
         if fill_old and out is not None:  # before the first optimizer step π_θ = π_old, bit for bit
             old_logp[rows] = out.logp.detach()
             if self.is_moe and cfg.moe.routing_replay == "none":
