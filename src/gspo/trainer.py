@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from gspo import algorithms, data, diagnostics, distributed, moe, objectives, tasks
 from gspo.audit import Recorder
 from gspo.guard import Guard
+from gspo.isolation import correct_all
 from gspo.errors import Interrupted
 from gspo.checkpoint import load_latest
 from gspo.config import TrainConfig, dump_yaml
@@ -286,7 +287,7 @@ class Trainer:
 
     def _reward_stats(self, batch: RolloutBatch, rewards: torch.Tensor, per_source: dict) -> dict:
         G = self.cfg.rollout.group_size
-        correct = [self.task.is_correct(c, ex) for c, ex in zip(batch.completions, batch.examples)]
+        correct = correct_all(self.task, batch.completions, batch.examples)  # one hand-off
         batch.correct = torch.tensor(correct, dtype=torch.bool)   # [N], reused by length_slices
         rewards, lengths = rewards.cpu(), batch.lengths.cpu()     # host copies: no sync per .item()
         scored = rewards[rewards.isfinite()]  # reward.on_error=drop marks dropped samples NaN
@@ -561,7 +562,7 @@ class Trainer:
         if not n:
             return {}
         correct = batch.correct if batch.correct is not None else torch.tensor(
-            [self.task.is_correct(c, ex) for c, ex in zip(batch.completions, batch.examples)])
+            correct_all(self.task, batch.completions, batch.examples))
         return diagnostics.length_slices(
             batch.lengths.cpu(), rewards.cpu(), correct, record["logp"], old_logp, advantages,
             record["mask"], objective=self.objective, objective_kwargs=self.objective_kwargs(0),
@@ -587,6 +588,7 @@ class Trainer:
                 temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed))
 
     def save(self, step: int, wall: float) -> Path:
+        self.metrics.flush()                    # TensorBoard as far as the checkpoint
         state = {"cursor": self.cursor.state(), "history": self.history, "wall_s": wall,
                  "objective": self.cfg.objective.name, "init": self.init_info,
                  "guard": self.guard.state_dict(), "algorithm": self.algorithm.state_dict()}
