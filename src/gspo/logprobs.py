@@ -254,10 +254,10 @@ def response_logprobs(
     `prompt_groups` [N] (CPU): rows with the same id have the same prompt columns (L-T), e.g. the
     G responses of one prompt; each group's prompt then runs through the decoder once and its KV
     cache serves every row of the group (same values up to float rounding, gradients included).
-    Not for a forward that must see all N rows in one call (MoE routing capture / replay).
     `trim`: run the decoder only on the columns the response log-probs depend on (`trim_columns`;
-    same values up to float rounding; one host sync). Not under a routing capture, which records
-    every column.
+    same values up to float rounding; one host sync). Both split or cut the forward: under a MoE
+    routing capture, lay out what it recorded by the returned `layout` (`RoutingCapture.layout`);
+    not under routing replay, which forces the experts of every row and column of one forward.
     """
     T = _check_layout(input_ids, response_mask)
     decoder, head = _decoder_and_head(model)
