@@ -1,9 +1,7 @@
 """Wall time per RL step: gspo vs TRL's GRPOTrainer (configured for GSPO) on the same work.
 
 Same local tiny checkpoint (built with ``gspo.models.build_model`` and saved to a temp dir), same
-prompts in the same order (arithmetic task, gspo's data cursor), same reward (``--reward verifier``:
-the task's exact-match check, 0 everywhere for an untrained model; ``parity``: varies inside nearly
-every group), and:
+prompts in the same order (gspo's data cursor), same reward, and:
 
     P prompts per step x G responses      TRL: generation_batch_size = P*G, num_generations = G
     max new tokens                        TRL: max_completion_length
@@ -18,6 +16,17 @@ every group), and:
                                                max_grad_norm=1.0
     a log row per RL step                 gspo: metrics.jsonl + TensorBoard; TRL: logging_steps=M
 
+Three workloads (``--init``, ``--reward``):
+
+    --init random --reward verifier       untrained preset, arithmetic task, its exact-match check:
+                                          0 everywhere, no group has a signal
+    --init random --reward parity         untrained preset, arithmetic prompts, the first character's
+                                          code point is odd: a signal in nearly every group
+    --init coldstart                      the default job (configs/default.yaml): the preset after
+                                          gspo's cold-start SFT (cached in --sft-cache), the
+                                          multistep task and its verifier, P = 32, 8 new tokens:
+                                          some groups with a signal, many without (real runs)
+
 Both run in this one process with the same torch thread count, interleaved: TRL warm-up, gspo
 warm-up, then ``--rounds`` rounds of ``--steps`` RL steps each (gspo, then TRL). One TRL RL step
 is the wall time between the ends of its M-th optimizer steps (a Trainer callback runs gspo's
@@ -28,6 +37,7 @@ Tokens per second count generated tokens up to and including EOS. Nothing is dow
 
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --rounds 10 --steps 1     # tiny-dense, tiny-moe
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --reward parity --preset tiny-moe --json out.json
+    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --init coldstart --rounds 10 --steps 1
 
 Figures and how to read them: docs/performance.md.
 """
@@ -52,15 +62,22 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 
 import torch  # noqa: E402
 
+DEFAULT_JOB = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 TIME_PARTS = ("generate", "reward", "old_logprobs", "forward_backward", "optimizer", "logging", "other")
 
 
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", nargs="+", default=["tiny-dense", "tiny-moe"])
-    p.add_argument("--prompts", type=int, default=16, help="P: prompts per RL step")
+    p.add_argument("--init", choices=["random", "coldstart"], default="random",
+                   help="random: the untrained preset on the arithmetic task; coldstart: the default "
+                        "job (configs/default.yaml) after its cold-start SFT, multistep task, its verifier")
+    p.add_argument("--config", default=str(DEFAULT_JOB), help="the job of --init coldstart")
+    p.add_argument("--sft-cache", default="runs/.sft-cache", help="cold-start cache (--init coldstart)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="P: prompts per RL step (default 16; coldstart: the job's)")
     p.add_argument("--group", type=int, default=8, help="G: responses per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 16; coldstart: the job's")
     p.add_argument("--minibatches", type=int, default=4, help="M: optimizer steps per rollout batch")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=1, help="RL steps of each before measuring")
@@ -71,13 +88,34 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="TRL's own default (recomputes activations in backward); off: same work as gspo")
     p.add_argument("--reward", choices=["verifier", "parity"], default="verifier",
-                   help="verifier: the arithmetic task's exact-match check (0 everywhere for an "
-                        "untrained model: no group has a signal); parity: the first character's "
+                   help="verifier: the task's own check (arithmetic exact match: 0 everywhere for an "
+                        "untrained model, no group has a signal); parity: the first character's "
                         "code point is odd (varies inside nearly every group)")
     p.add_argument("--gspo-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra gspo config overrides, e.g. train.skip_zero_advantage=false")
     p.add_argument("--json", help="also write the results here")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.init == "coldstart" and a.reward != "verifier":
+        p.error("--init coldstart scores with the task's verifier (--reward verifier)")
+    return a
+
+
+def job_config(a: argparse.Namespace, preset: str):
+    """The --init coldstart job (--config) on ``preset``, its cold start cached in --sft-cache."""
+    from gspo.config import load_config
+    return load_config(a.config, [f"seed={a.seed}", f"model.preset={preset}", "model.device=cpu",
+                                  f"sft.cache_dir={a.sft_cache}", f"run.threads={a.threads}"])
+
+
+def resolve_shapes(a: argparse.Namespace) -> None:
+    """P and max new tokens: the job's under --init coldstart, else 16 and 16 (unless given)."""
+    job = job_config(a, "tiny-dense").rollout if a.init == "coldstart" else None
+    if a.prompts is None:
+        a.prompts = job.prompts_per_step if job else 16
+    if a.max_new_tokens is None:
+        a.max_new_tokens = job.max_new_tokens if job else 16
+    if job and a.group != job.group_size:
+        print(f"note: G = {a.group}, the job's is {job.group_size}")
 
 
 def first_char_parity(completion: str, **row) -> float:
@@ -96,13 +134,13 @@ class GspoRunner:
         overrides = {
             "seed": a.seed, "run.dir": str(run_dir), "run.overwrite": True, "run.progress": False,
             "run.threads": a.threads, "model.path": str(checkpoint), "model.device": "cpu",
-            "sft.enabled": False, "task.name": "arithmetic",
+            "sft.enabled": False,
             "rollout.prompts_per_step": a.prompts, "rollout.group_size": a.group,
             "rollout.max_new_tokens": a.max_new_tokens, "rollout.temperature": 1.0,
             "rollout.top_p": 1.0, "rollout.top_k": 0, "objective.name": "gspo",
             "objective.eps_low": 3e-4, "objective.eps_high": 4e-4,
             "train.minibatches": a.minibatches, "train.lr": a.lr, "train.schedule": "constant",
-            "train.beta": 0.0, "train.grad_clip": 1.0,
+            "train.beta": 0.0, "train.grad_clip": 1.0, "train.warmup_steps": 0,
             "train.steps": a.warmup + a.rounds * a.steps,
         }
         from gspo.config import RunConfig
@@ -110,7 +148,10 @@ class GspoRunner:
             overrides.pop("run.threads")
         if a.reward == "parity":
             overrides["rewards"] = "[{type: function, fn: 'vs_trl:first_char_parity'}]"
-        self.cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()] + a.gspo_set)
+        if a.init == "random":
+            overrides["task.name"] = "arithmetic"
+        base = a.config if a.init == "coldstart" else None   # the job's task and rewards
+        self.cfg = load_config(base, [f"{k}={v}" for k, v in overrides.items()] + a.gspo_set)
         self.trainer = Trainer(self.cfg, log=lambda msg: None)
         self.trainer.setup()
         self.trainer.t_start = time.time()
@@ -150,17 +191,20 @@ class GspoRunner:
 
 def trl_trainer(a: argparse.Namespace, checkpoint: Path, out_dir: Path, prompts: list, task,
                 callback):
+    """TRL's GRPOTrainer on the same checkpoint and prompts; its reward calls ``task.reward``
+    (the verifier gspo's default reward source calls; unguarded) or the parity reward."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     tokens = []
+    verifier = getattr(task, "inner", task)   # the task's own check, without gspo's call guard
 
-    def reward(completions, completion_ids, answer, **_):
+    def reward(completions, completion_ids, index, **_):
         tokens.append(sum(len(ids) for ids in completion_ids))
         if a.reward == "parity":
             return [first_char_parity(c) for c in completions]
-        return [float(c.strip() == str(ans)) for c, ans in zip(completions, answer)]  # the verifier
+        return [verifier.reward(c, prompts[i]) for c, i in zip(completions, index)]
 
     reward.__name__ = a.reward
     N = a.prompts * a.group
@@ -180,7 +224,7 @@ def trl_trainer(a: argparse.Namespace, checkpoint: Path, out_dir: Path, prompts:
     )
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
-    dataset = Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer} for ex in prompts])
+    dataset = Dataset.from_list([{"prompt": ex.prompt, "index": i} for i, ex in enumerate(prompts)])
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[callback])
     return trainer, tokens
@@ -223,9 +267,15 @@ def bench_preset(a: argparse.Namespace, preset: str, tmp: Path) -> dict:
     from gspo.models import build_model, save_model
     from gspo.trainer import DataCursor
 
-    checkpoint = tmp / preset
-    model, tokenizer = build_model(preset, a.seed)
-    save_model(model, tokenizer, checkpoint)
+    if a.init == "coldstart":                       # gspo's cold start of the job, cached
+        from gspo.trainer import build_task, initial_policy
+        cfg = job_config(a, preset)
+        _, _, info = initial_policy(cfg, build_task(cfg), log=print, progress=False)
+        checkpoint = Path(info["checkpoint"])
+    else:
+        checkpoint = tmp / preset
+        model, tokenizer = build_model(preset, a.seed)
+        save_model(model, tokenizer, checkpoint)
     gspo = GspoRunner(a, checkpoint, tmp / f"{preset}-gspo")
     task = gspo.trainer.task
     train = task.split("train")
@@ -245,18 +295,21 @@ def bench_preset(a: argparse.Namespace, preset: str, tmp: Path) -> dict:
         "gspo_tokens_per_step": statistics.median(gspo.tokens),
         "trl_tokens_per_step": statistics.median(results["trl_tokens"]),
         "gspo_breakdown": gspo.breakdown(),
+        "frac_zero_std_groups": statistics.mean(r["reward/frac_zero_std_groups"] for r in gspo.rows),
+        "rows_skipped": statistics.mean(r.get("train/rows_skipped", 0) for r in gspo.rows),
     }
 
 
 def main() -> int:
     a = _args()
+    resolve_shapes(a)
     torch.set_num_threads(a.threads)
     import transformers
     import trl
     transformers.utils.logging.set_verbosity_error()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
-    print(f"P={a.prompts} G={a.group} max_new_tokens={a.max_new_tokens} M={a.minibatches} "
+    print(f"init={a.init} reward={a.reward} P={a.prompts} G={a.group} max_new_tokens={a.max_new_tokens} M={a.minibatches} "
           f"lr={a.lr}; warm-up {a.warmup}, {a.rounds} rounds x {a.steps} steps each, interleaved")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -273,6 +326,8 @@ def main() -> int:
     for r in results:
         shares = ", ".join(f"{k} {v:.1%}" for k, v in r["gspo_breakdown"].items())
         print(f"gspo time shares ({r['preset']}): {shares}")
+        print(f"gspo ({r['preset']}): groups without signal {r['frac_zero_std_groups']:.1%}, "
+              f"rows skipped {r['rows_skipped']:.1f} of {a.prompts * a.group}")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     return 0

@@ -51,7 +51,8 @@ def test_train_end_to_end(tmp_path, small_config, reward_module, reward_dir):
     run = Path(cfg.run.dir)
     out = subprocess.run([*GSPO, "train", str(tmp_path / "cfg.yaml"), "seed=0"],
                          capture_output=True, text=True, timeout=300,
-                         env={**ENV, "PYTHONPATH": str(reward_dir)})
+                         env={**ENV, "PYTHONPATH": os.pathsep.join([str(reward_dir),  # this checkout's
+                                                                    ENV.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "held-out accuracy:" in out.stdout and "after 1 gspo steps" in out.stdout
     for name in ("summary.json", "metrics.jsonl", "config.yaml", "report.md"):

@@ -98,7 +98,8 @@ def test_skip_policy_with_nothing_left(capsys, tmp_path, files):
 
 def test_bad_data_in_a_subprocess_exits_2_without_traceback(tmp_path, files, reward_dir):
     argv = files([GOOD, "not json"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(reward_dir)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",   # this checkout's gspo first, as in-process
+           "PYTHONPATH": os.pathsep.join([str(reward_dir), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "gspo", "train", *argv], capture_output=True,
                          text=True, env=env, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr

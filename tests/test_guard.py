@@ -132,6 +132,38 @@ def test_lr_multiplier_keeps_the_schedule():
     assert opt.param_groups[0]["lr"] == pytest.approx(4e-4)
 
 
+def test_snapshot_into_the_last_one_reuses_its_buffers_and_restores_the_same():
+    """A snapshot written into the previous one's tensors equals a fresh one and restores the
+    state as of its taking; no tensor of it is shared with the live model or optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = build_optimizer(model, 1e-2)
+    sched = build_scheduler(opt, "constant", 0, 10)
+
+    def train_step():
+        model(torch.randn(4, 3)).pow(2).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    train_step()
+    first = guard.snapshot(model, opt, sched)
+    ptrs = {k: v.data_ptr() for k, v in first["model"].items()}
+    train_step()
+    second = guard.snapshot(model, opt, sched, into=first)
+    fresh = guard.snapshot(model, opt, sched)
+    assert {k: v.data_ptr() for k, v in second["model"].items()} == ptrs            # reused
+    assert _same(second["model"], fresh["model"])
+    for a, b in zip(second["optimizer"]["state"].values(), fresh["optimizer"]["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    live = {p.data_ptr() for p in model.parameters()}
+    assert not live & {v.data_ptr() for v in second["model"].values()}
+    train_step()
+    guard.restore(second, model, opt, sched)
+    assert _same(model.state_dict(), fresh["model"])
+    state = opt.state_dict()["state"]
+    assert all(torch.equal(state[i][k], fresh["optimizer"]["state"][i][k]) for i in state for k in state[i])
+
+
 # ------------------------------------------------------------------------------- actions on runs
 
 def _run(make_cfg, reward_module, *overrides, run="run"):

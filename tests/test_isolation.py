@@ -97,6 +97,41 @@ def test_hung_calls_are_bounded():
         caller(FOREVER.wait)
 
 
+def test_map_is_the_calls_one_after_the_other():
+    """TimedCaller.map hands a batch to the worker at once: each call's value or error, in order;
+    a hung call times out alone and a fresh worker takes the rest; too many hung calls stop it."""
+    caller = TimedCaller(0.05, max_hung=2)
+    order = []
+    def fn(x):
+        order.append(x)
+        if x == "hang":
+            FOREVER.wait()
+        return 1 / x
+    out = caller.map(fn, [(1,), (0,), ("hang",), (4,), ("hang",), (2,)])
+    assert [v for v, _ in out] == [1.0, None, None, 0.25, None, 0.5]
+    assert [type(e).__name__ for _, e in out] == ["NoneType", "ZeroDivisionError", "RewardFault",
+                                                 "NoneType", "RewardFault", "NoneType"]
+    assert order == [1, 0, "hang", 4, "hang", 2] and caller.hung == 2
+    with pytest.raises(RewardError, match="reward calls hung 3 times"):
+        caller.map(fn, [("hang",), (1,)])
+    assert TimedCaller(None).map(fn, [(2,), (0,)])[0] == (0.5, None)   # no timeout: in this thread
+
+
+def test_guarded_task_is_correct_all_is_is_correct_per_sample():
+    class Task:
+        name = "t"
+
+        def is_correct(self, completion, example):
+            return 1 / 0 if completion == "bad" else completion == "ok"
+    task = GuardedTask(Task(), on_error="zero", timeout_s=1.0)
+    completions = ["ok", "bad", "no", "ok"]
+    assert task.is_correct_all(completions, EXAMPLES) == [True, False, False, True]
+    assert task.is_correct_all(completions, EXAMPLES) == [task.is_correct(c, ex)
+                                                         for c, ex in zip(completions, EXAMPLES)]
+    with pytest.raises(RewardError, match="task 't' is_correct failed .*ZeroDivisionError"):
+        GuardedTask(Task(), on_error="fail").is_correct_all(completions, EXAMPLES)
+
+
 def test_batch_source_fails_as_a_batch():
     class Broken:
         name = "rm"

@@ -272,3 +272,50 @@ def test_shared_prompts_equal_the_full_forward(any_model):
     assert len(grads) == len(shared_grads)
     for a, b in zip(shared_grads, grads):
         _close(a, b, atol=1e-4)
+
+
+def _padded_batch():
+    """`_batch` with 2 more left-padding columns and 3 more response columns, padding in every row."""
+    ids, am, rm = _batch()
+    N, T = rm.shape
+    pad = lambda x, left, right: torch.cat([x.new_zeros(N, left), x, x.new_zeros(N, right)], 1)  # noqa: E731
+    return pad(ids, 2, 3), pad(am, 2, 3), pad(rm, 0, 3)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_trimmed_columns_equal_the_full_forward(any_model, shared):
+    """trim=True runs the decoder on the columns the response depends on only (no all-padding
+    column, not the last): the same log-probs, entropies and gradients as the untrimmed path,
+    in float64, with and without prompts shared by group."""
+    model = any_model.double()
+    ids, am, rm = _padded_batch()
+    rows = torch.tensor([0, 2, 0, 1, 2, 0])                           # groups, as above
+    g = torch.Generator().manual_seed(6)
+    ids, am, rm = ids[rows].clone(), am[rows], rm[rows]
+    T = rm.shape[1]
+    ids[:, -T:] = torch.where(rm.bool(), torch.randint(1, V, (len(rows), T), generator=g), PAD)
+    results = []
+    for trim in (False, True):
+        model.zero_grad(set_to_none=True)
+        out = response_logprobs(model, ids, am, rm, chunk_size=5, trim=trim,
+                                prompt_groups=rows if shared else None)
+        (out.logp.sum() + 0.3 * out.entropy.sum()).backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((out.logp.detach(), out.entropy, grads))
+    model.float()
+    (logp, ent, grads), (trim_logp, trim_ent, trim_grads) = results
+    assert trim_logp.shape == logp.shape == rm.shape
+    torch.testing.assert_close(trim_logp, logp, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(trim_ent, ent, atol=1e-12, rtol=1e-10)
+    assert len(grads) == len(trim_grads)
+    for a, b in zip(trim_grads, grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_trim_columns_reach():
+    """The trimmed span: from the first column any row attends to, up to the last response token
+    of any row, less that token's column."""
+    from gspo.logprobs import trim_columns
+    ids, am, rm = _padded_batch()                 # 2 + 7 prompt columns, 6 + 3 response columns
+    assert trim_columns(am, rm) == (2, 9 + 6 - 1, 6)
+    assert trim_columns(am, torch.zeros_like(rm))[2] == 0

@@ -318,3 +318,38 @@ def test_other_families_capture_and_replay(family):
         with replay_routing(model, cap.routing):
             assert torch.equal(model(input_ids=ids).logits, ref)
     assert cap.routing.shape == (2, 9, 1 if family == "qwen2_moe" else 2, 2)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_trimmed_shared_forwards_lay_out_the_same_routing(shared):
+    """A trimmed (and prompt-shared) log-prob pass under a capture: the same log-probs and
+    gradients in float64, and `cap.routing` laid out by its layout gives the untrimmed pass's
+    experts at every scored position (response_routing under the response mask). float32: the
+    experts' grouped matmul has no float64 kernel."""
+    model, tok = _tiny_moe()
+    ids, attn, mask = _batch(tok)
+    rows = torch.tensor([0, 2, 0, 1, 2, 0])                       # groups 0, 2, 0, 1, 2, 0
+    g = torch.Generator().manual_seed(3)
+    N, T = len(rows), mask.shape[1] + 2
+    ids = torch.cat([torch.zeros(N, 1, dtype=ids.dtype), ids[rows], torch.zeros(N, 2, dtype=ids.dtype)], 1)
+    attn = torch.cat([torch.zeros(N, 1, dtype=attn.dtype), attn[rows], torch.zeros(N, 2, dtype=attn.dtype)], 1)
+    mask = torch.cat([mask[rows], torch.zeros(N, 2)], 1)           # [N, T]: 1 pad column left, 2 right
+    ids[:, -T:] = torch.where(mask.bool(), torch.randint(4, len(tok), (N, T), generator=g), 0)
+    results = []
+    for split in (False, True):
+        model.zero_grad(set_to_none=True)
+        with capture_routing(model) as cap:
+            out = response_logprobs(model, ids, attn, mask, trim=split,
+                                    prompt_groups=rows if split and shared else None)
+        cap.layout = out.layout
+        out.logp.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((out.logp.detach(), grads, cap.routing, len(cap.forwards)))
+    (logp, grads, routing, n), (split_logp, split_grads, split_routing, split_n) = results
+    assert (n, split_n) == (1, 2 if shared else 1)
+    torch.testing.assert_close(split_logp, logp, atol=1e-5, rtol=1e-5)
+    for a, b in zip(split_grads, grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert split_routing.shape == routing.shape == (N, ids.shape[1], 4, 2)
+    scored = mask.bool()
+    assert torch.equal(response_routing(split_routing, T)[scored], response_routing(routing, T)[scored])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gspo import objectives
+from gspo import moe, objectives
 from gspo.advantages import group_advantages
 from gspo.plan import live_rows, plan_update
 from gspo.report import build_report
@@ -95,8 +95,10 @@ def _close(a: dict, b: dict, atol: float) -> bool:
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 def test_optimized_update_equals_the_plain_one(pair, preset):
     """Half the groups without signal, M = 2: same loss, gradient norm and weights as the plain
-    path; π_old equal where both computed it; the skipped rows are counted."""
+    path (every row, one untrimmed forward per pass); π_old equal where both computed it; the
+    skipped rows are counted; MoE: the same routing metrics from the split forwards' layout."""
     fast, plain = pair(f"model.preset={preset}", "rollout.prompts_per_step=4", "rollout.group_size=4")
+    plain.split_forwards = lambda: False                      # no trimming, no shared prompts
     batch, rewards, _ = fast.collect(0)
     batch_b, _, _ = plain.collect(0)
     assert torch.equal(batch.input_ids, batch_b.input_ids)
@@ -109,6 +111,10 @@ def test_optimized_update_equals_the_plain_one(pair, preset):
     assert torch.allclose(old_f[live], old_p[live], rtol=0, atol=1e-5)
     for key in ("policy/loss", "optim/grad_norm"):
         assert row_f[key] == pytest.approx(row_p[key], rel=1e-4, abs=1e-7)
+    if preset == "tiny-moe":   # π_old's experts at every scored position of the live rows
+        T, mask = batch.response_mask.shape[1], batch.response_mask[live].bool()
+        old_experts = [moe.response_routing(b.extras["routing"], T)[live][mask] for b in (batch, batch_b)]
+        assert torch.equal(*old_experts)
     # rows computed in other batch shapes (and prompts run once per group) round differently
     # (~1e-7); Adam's first step divides g by |g| + 1e-8, which turns that into at most a small
     # fraction of lr = 1e-4 per weight

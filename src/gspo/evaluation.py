@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gspo.isolation import correct_all
 from gspo.rollout import SamplingParams, generate
 from gspo.tasks import Example, Task
 
@@ -61,11 +62,11 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: T
     with torch.random.fork_rng(devices=[]):
         for i, chunk in enumerate(_batches(examples, batch_size)):
             out = generate(model, tokenizer, chunk, greedy)
-            correct += [task.is_correct(c, ex) for c, ex in zip(out.completions, chunk)]
+            correct += correct_all(task, out.completions, chunk)
             rewards += [task.reward(c, ex) for c, ex in zip(out.completions, chunk)]
             lengths += out.lengths.tolist()
             samples = generate(model, tokenizer, chunk, sampled, group_size=k, seed=seed + i)
-            hits = [task.is_correct(c, ex) for c, ex in zip(samples.completions, samples.examples)]
+            hits = correct_all(task, samples.completions, samples.examples)
             per_prompt += [sum(hits[j * k:(j + 1) * k]) for j in range(len(chunk))]
     n = len(examples)
     return EvalResult(

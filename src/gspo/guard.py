@@ -246,10 +246,31 @@ def _clone(obj, device):
     return copy.deepcopy(obj)
 
 
-def snapshot(model, optimizer, scheduler, device: str | None = "cpu") -> dict:
-    """Copies of the weights, optimizer and scheduler state (restored by ``restore``)."""
-    return {"model": _clone(model.state_dict(), device),
-            "optimizer": _clone(optimizer.state_dict(), device),
+def _clone_into(old, obj, device):
+    """``_clone(obj, device)``, written into the tensors of ``old`` (an earlier clone) wherever
+    they match in place, shape and dtype: no new allocation from one step to the next."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        target = torch.device(device) if device else obj.device
+        if (isinstance(old, torch.Tensor) and old.shape == obj.shape and old.dtype == obj.dtype
+                and old.device == target):
+            return old.copy_(obj.detach())
+        return _clone(obj, device)
+    if isinstance(obj, dict):
+        old = old if isinstance(old, dict) else {}
+        return {k: _clone_into(old.get(k), v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        old = old if isinstance(old, (list, tuple)) and len(old) == len(obj) else [None] * len(obj)
+        return type(obj)(_clone_into(o, v, device) for o, v in zip(old, obj))
+    return copy.deepcopy(obj)
+
+
+def snapshot(model, optimizer, scheduler, device: str | None = "cpu", into: dict | None = None) -> dict:
+    """Copies of the weights, optimizer and scheduler state (restored by ``restore``); ``into``:
+    an earlier snapshot whose tensors are overwritten and reused (it is no longer a snapshot)."""
+    into = into or {}
+    return {"model": _clone_into(into.get("model"), model.state_dict(), device),
+            "optimizer": _clone_into(into.get("optimizer"), optimizer.state_dict(), device),
             "scheduler": copy.deepcopy(scheduler.state_dict())}
 
 
@@ -343,10 +364,10 @@ class Guard:
     def before_step(self, trainer, step: int) -> None:
         set_lr_multiplier(trainer.optimizer, trainer.scheduler, self.base_lrs,
                           self.lr_multiplier(step))
-        self._snap = None
-        if self.needs_snapshot:
+        last, self._snap = self._snap, None
+        if self.needs_snapshot:   # into the last step's buffers (restore copies out of them)
             device = "cpu" if self.cfg.snapshot_device == "cpu" else None
-            self._snap = snapshot(trainer.model, trainer.optimizer, trainer.scheduler, device)
+            self._snap = snapshot(trainer.model, trainer.optimizer, trainer.scheduler, device, into=last)
 
     def on_start(self, trainer) -> None:
         """With a rollback rule, make sure a checkpoint exists to roll back to (the start)."""

@@ -75,17 +75,53 @@ class TimedCaller:
         job = _Job(fn, args, kwargs)
         self._jobs.put(job)
         if not job.done.wait(self.timeout_s):
-            self._jobs = None  # abandon the stuck worker (a daemon thread); the next call gets a new one
-            self.hung += 1
-            if self.hung > self.max_hung:
-                raise RewardError(
-                    f"reward calls hung {self.hung} times (reward.timeout_s={self.timeout_s:g}); each "
-                    f"leaves a thread running, so the run stops here. Fix the reward function or set "
-                    f"reward.sandbox=true to run it in a process that can be killed")
-            raise RewardFault(f"timed out after {self.timeout_s:g} s")
+            raise self._hung()  # the next call gets a new worker
         if job.error is not None:
             raise job.error
         return job.value
+
+    def map(self, fn, calls: list[tuple]) -> list[tuple[object, BaseException | None]]:
+        """``fn(*args)`` for each args of ``calls``, as (value, error) pairs: what ``self(fn, *args)``
+        would return or raise, one after the other, but handed to the worker all at once (one
+        thread hand-off per batch, not per call). Each call still gets ``timeout_s``, counted from
+        the return of the one before; after a hung call the rest go to a fresh worker. Raises
+        ``RewardError`` as ``self(...)`` does after too many hung calls."""
+        if not self.timeout_s:
+            return [_run(fn, args) for args in calls]
+        results: list[tuple[object, BaseException | None]] = []
+        while len(results) < len(calls):
+            if self._jobs is None:
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
+                                 name="gspo-reward").start()
+            jobs = [_Job(fn, args, {}) for args in calls[len(results):]]
+            for job in jobs:
+                self._jobs.put(job)
+            for job in jobs:
+                if not job.done.wait(self.timeout_s):
+                    results.append((None, self._hung()))   # the jobs after it: a fresh worker
+                    break
+                results.append((job.value, job.error))
+        return results
+
+    def _hung(self) -> RewardFault:
+        """Abandon the stuck worker (a daemon thread); the fault of the call, or RewardError."""
+        self._jobs = None
+        self.hung += 1
+        if self.hung > self.max_hung:
+            raise RewardError(
+                f"reward calls hung {self.hung} times (reward.timeout_s={self.timeout_s:g}); each "
+                f"leaves a thread running, so the run stops here. Fix the reward function or set "
+                f"reward.sandbox=true to run it in a process that can be killed")
+        return RewardFault(f"timed out after {self.timeout_s:g} s")
+
+
+def _run(fn, args: tuple) -> tuple[object, BaseException | None]:
+    """(fn(*args), None), or (None, the exception it raised)."""
+    try:
+        return fn(*args), None
+    except BaseException as err:  # noqa: BLE001  handed to the caller, as from the worker
+        return None, err
 
 
 def check_value(value) -> float:
@@ -126,9 +162,12 @@ class GuardedSource:
                 except RewardFault as err:
                     faults[i] = str(err)
             return values, faults
-        for i, (c, ex) in enumerate(zip(completions, examples)):
+        calls = [([c], [ex]) for c, ex in zip(completions, examples)]
+        for i, (value, error) in enumerate(self.caller.map(self.source, calls)):  # one hand-off
             try:
-                values[i] = check_value(self.caller(self.source, [c], [ex])[0])
+                if error is not None:
+                    raise error
+                values[i] = check_value(value[0])
             except RewardError:
                 raise
             except (Exception, SystemExit) as err:  # noqa: BLE001  isolated to this sample
@@ -205,15 +244,24 @@ class GuardedTask:
 
     def _guarded(self, what: str, fn, completion: str, example, failed):
         try:
-            return self.caller(fn, completion, example)
+            value, error = self.caller(fn, completion, example), None
         except RewardError:
             raise
         except (Exception, SystemExit) as err:  # noqa: BLE001
-            if self.on_error == "fail":
-                raise RewardError(f"task {self.inner.name!r} {what} failed (prompt "
-                                  f"{example.prompt[:60]!r}, completion {completion[:60]!r}): "
-                                  f"{describe(err)}. reward.on_error=fail") from None
-            return failed
+            value, error = None, err
+        return self._outcome(what, value, error, completion, example, failed)
+
+    def _outcome(self, what: str, value, error: BaseException | None, completion: str, example, failed):
+        """``value``, or after ``error``: ``failed``, or RewardError under on_error=fail."""
+        if error is None:
+            return value
+        if isinstance(error, RewardError) or not isinstance(error, (Exception, SystemExit)):
+            raise error
+        if self.on_error == "fail":
+            raise RewardError(f"task {self.inner.name!r} {what} failed (prompt "
+                              f"{example.prompt[:60]!r}, completion {completion[:60]!r}): "
+                              f"{describe(error)}. reward.on_error=fail") from None
+        return failed
 
     def reward(self, completion: str, example) -> float:
         checked = lambda c, ex: check_value(self.inner.reward(c, ex))  # noqa: E731
@@ -221,6 +269,19 @@ class GuardedTask:
 
     def is_correct(self, completion: str, example) -> bool:
         return bool(self._guarded("is_correct", self.inner.is_correct, completion, example, False))
+
+    def is_correct_all(self, completions: list[str], examples: list) -> list[bool]:
+        """``[self.is_correct(c, ex) ...]`` with one thread hand-off for the batch (``TimedCaller.map``)."""
+        results = self.caller.map(self.inner.is_correct, list(zip(completions, examples)))
+        return [bool(self._outcome("is_correct", value, error, c, ex, False))
+                for (value, error), c, ex in zip(results, completions, examples)]
+
+
+def correct_all(task, completions: list[str], examples: list) -> list[bool]:
+    """``task.is_correct`` of each sample; a ``GuardedTask`` hands the batch to its worker at once."""
+    if isinstance(task, GuardedTask):
+        return task.is_correct_all(completions, examples)
+    return [bool(task.is_correct(c, ex)) for c, ex in zip(completions, examples)]
 
 
 def masked_group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "group",

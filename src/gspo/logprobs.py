@@ -8,7 +8,9 @@ so only hidden states are kept and a chunk's logits are recomputed in backward. 
 head is O(chunk_size * V) instead of the O(N * L * V) of `model(...).logits` and the O(N * T * V)
 float32 log-softmax. `naive_response_logprobs` is the plain full-logits reference (tests, benchmark).
 With `prompt_groups` (rows that share a prompt, e.g. the G responses of one prompt) each prompt
-runs through the decoder once and its KV cache is gathered to the rows of its group.
+runs through the decoder once and its KV cache is gathered to the rows of its group. With `trim`
+the decoder skips columns no response token depends on: left-padding columns of every row, response
+columns after the last response token of every row, and the last column (it predicts nothing).
 
 What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no sequence
 packing of the decoder input, no KL or loss; the decoder body runs unchanged (use the model's own
@@ -40,6 +42,24 @@ class TokenLogProbs:
     """[N, T] float32 log π(y_t | x, y_<t) at the sampling temperature; 0 where mask == 0."""
     entropy: torch.Tensor | None
     """[N, T] float32 entropy of π(· | x, y_<t); 0 where mask == 0; detached unless requested."""
+    layout: "DecoderLayout | None" = None
+    """The decoder forwards that ran (to lay out per-column records of them, e.g. MoE routing)."""
+
+
+@dataclass
+class DecoderLayout:
+    """The decoder forwards behind a `response_logprobs` call, in call order.
+
+    They covered columns ``start .. stop-1`` of the L input columns (`trim`). With shared prompts
+    there were two: the first ``prefix`` of those columns for one row per group, then the others
+    for all N rows, row i's prompt coming from row ``prefix_rows[i]`` of the first; else one.
+    """
+
+    length: int
+    start: int
+    stop: int
+    prefix: int = 0
+    prefix_rows: torch.Tensor | None = None  # [N]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -76,15 +96,32 @@ def _logit_transform(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]
     return transform
 
 
+def trim_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[int, int, int]:
+    """(a, b, T') for `trim`: decoder input columns a..b-1 and the first T' response columns.
+
+    Columns < a are padding in every row; response columns >= T' hold no response token of any
+    row; column L-T+T'-1 (the last response token kept) predicts nothing. By causality the hidden
+    states at L-T-1 .. L-T+T'-2 are those of the untrimmed input. One host sync (the masks' reach).
+    """
+    L, T = attention_mask.shape[1], response_mask.shape[1]
+    prompt = attention_mask[:, : L - T].bool().any(0)  # [L-T] a column some row attends to
+    used = response_mask.bool().any(0)  # [T]
+    first, last = prompt.nonzero(), used.nonzero()  # (host sync)
+    a = int(first[0]) if len(first) else L - T - 1
+    T_kept = int(last[-1]) + 1 if len(last) else 0
+    return min(a, L - T - 1), L - T + T_kept - 1, T_kept
+
+
 def _shared_prompt_hidden(
     decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, groups: torch.Tensor
-) -> torch.Tensor | None:
-    """`_response_hidden` running each group's prompt once: its first L-T-1 columns for one row
-    per group, their KV cache gathered to every row, then the last L-T-1.. columns of all rows.
+) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+    """`_response_hidden` running each group's prompt once: its first L-T columns for one row per
+    group, their KV cache gathered to every row, then the last T columns of all rows:
+    (hidden [N, T, H], P, the prefix row of each row [N]).
     None when nothing is shared or the decoder's cache cannot be gathered."""
     uniq, inverse = torch.unique(groups, return_inverse=True)  # CPU: no device sync
     N, L = input_ids.shape
-    P = L - T - 1  # prompt columns run once per group
+    P = L - T  # prompt columns run once per group
     if P < 1 or len(uniq) == N:
         return None
     rep = torch.empty(len(uniq), dtype=torch.long).scatter_(0, inverse, torch.arange(N))  # a row per group
@@ -99,19 +136,20 @@ def _shared_prompt_hidden(
     cache.batch_select_indices(inverse)  # [G·…, heads, P, d]: each row its group's prompt
     out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=positions[:, P:],
                   use_cache=True, **{name: cache})
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [N, T+1, H]
-    return hidden[:, :T]  # [N, T, H] positions L-T-1 .. L-2
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [N, T, H]
+    return hidden, P, inverse  # [N, T, H] the last T columns
 
 
-def _response_hidden(
+def _decoder_hidden(
     decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int,
     groups: torch.Tensor | None = None, **forward_kwargs
-) -> torch.Tensor:
-    """Hidden states at the positions that predict the response tokens (L-T-1 .. L-2)."""
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Hidden states [N, T, H] at the last T columns of the decoder input [N, L] (each prompt once
+    by `groups` when it can be), the shared prefix columns P (0: none) and its rows [N] (or None)."""
     if groups is not None and not forward_kwargs:
-        hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, T, groups)
-        if hidden is not None:
-            return hidden
+        shared = _shared_prompt_hidden(decoder, input_ids, attention_mask, T, groups)
+        if shared is not None:
+            return shared
     out = decoder(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -120,8 +158,16 @@ def _response_hidden(
         **forward_kwargs,
     )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [N, L, H]
-    L = input_ids.shape[1]
-    return hidden[:, L - T - 1 : L - 1]  # [N, T, H]
+    return hidden[:, -T:], 0, None  # [N, T, H]
+
+
+def _response_hidden(
+    decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int,
+    groups: torch.Tensor | None = None, **forward_kwargs
+) -> torch.Tensor:
+    """Hidden states [N, T, H] at the positions that predict the response tokens (L-T-1 .. L-2),
+    from a decoder pass over all L columns."""
+    return _decoder_hidden(decoder, input_ids, attention_mask, T + 1, groups, **forward_kwargs)[0][:, :T]
 
 
 def _chunk_logprobs(
@@ -171,9 +217,12 @@ def _packed_logprobs(
     return logp, ent
 
 
-def _unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Scatter K packed values back into [N, T] zeros at mask == 1 (row-major, like mask indexing)."""
-    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+def _unpack(values: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Scatter K packed values back into [N, T] zeros at mask == 1 (mask [N, T'], T' <= T: the
+    first T' columns; row-major, like mask indexing)."""
+    out = torch.zeros((mask.shape[0], T), dtype=values.dtype, device=values.device)  # [N, T]
+    out[:, : mask.shape[1]].masked_scatter_(mask, values)
+    return out
 
 
 def _check_layout(input_ids: torch.Tensor, response_mask: torch.Tensor) -> int:
@@ -196,6 +245,7 @@ def response_logprobs(
     with_entropy: bool = True,
     entropy_grad: bool = False,
     prompt_groups: torch.Tensor | None = None,
+    trim: bool = False,
     **forward_kwargs,
 ) -> TokenLogProbs:
     """logp[i, t] = log softmax(logits / τ)[L-T+t-1] at input_ids[i, L-T+t], chunked over tokens.
@@ -204,25 +254,38 @@ def response_logprobs(
     `prompt_groups` [N] (CPU): rows with the same id have the same prompt columns (L-T), e.g. the
     G responses of one prompt; each group's prompt then runs through the decoder once and its KV
     cache serves every row of the group (same values up to float rounding, gradients included).
-    Not for a forward that must see all N rows in one call (MoE routing capture / replay).
+    `trim`: run the decoder only on the columns the response log-probs depend on (`trim_columns`;
+    same values up to float rounding; one host sync). Both split or cut the forward: under a MoE
+    routing capture, lay out what it recorded by the returned `layout` (`RoutingCapture.layout`);
+    not under routing replay, which forces the experts of every row and column of one forward.
     """
     T = _check_layout(input_ids, response_mask)
     decoder, head = _decoder_and_head(model)
-    hidden = _response_hidden(decoder, input_ids, attention_mask, T, prompt_groups,
-                              **forward_kwargs)  # [N, T, H]
-    mask = response_mask.bool()  # [N, T]
+    L, a, b, T_kept = input_ids.shape[1], 0, input_ids.shape[1], 0
+    if trim and not forward_kwargs:  # per-position kwargs (MoE routing replay) need every column
+        a, b, T_kept = trim_columns(attention_mask, response_mask)
+    if T_kept:  # [N, T', H] positions L-T-1 .. L-T+T'-2
+        hidden, P, prefix_rows = _decoder_hidden(decoder, input_ids[:, a:b], attention_mask[:, a:b],
+                                                 T_kept, prompt_groups)
+    else:  # untrimmed (or no response token at all): all L columns
+        a, b, T_kept = 0, L, T
+        hidden, P, prefix_rows = _decoder_hidden(decoder, input_ids, attention_mask, T + 1, prompt_groups,
+                                                 **forward_kwargs)
+        hidden = hidden[:, :T]  # [N, T, H] positions L-T-1 .. L-2
+    mask = response_mask[:, :T_kept].bool()  # [N, T']
     logp_k, ent_k = _packed_logprobs(
         head,
         _logit_transform(model),
         hidden[mask],  # [K, H]
-        input_ids[:, -T:][mask],  # [K]
+        input_ids[:, L - T : L - T + T_kept][mask],  # [K]
         temperature=temperature,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
     )
-    entropy = _unpack(ent_k, mask) if with_entropy else None  # [N, T]
-    return TokenLogProbs(logp=_unpack(logp_k, mask), entropy=entropy)  # [N, T]
+    entropy = _unpack(ent_k, mask, T) if with_entropy else None  # [N, T]
+    layout = DecoderLayout(L, a, b, P, prefix_rows)
+    return TokenLogProbs(logp=_unpack(logp_k, mask, T), entropy=entropy, layout=layout)  # [N, T]
 
 
 def naive_response_logprobs(

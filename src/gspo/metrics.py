@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 
@@ -15,7 +16,11 @@ def _clean(value):
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    """Every row goes to metrics.jsonl at once; TensorBoard is flushed at most every ``flush_s``
+    seconds (and by ``flush`` / ``close``: checkpoints, pauses, the end), not per row."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, flush_s: float = 2.0):
+        self.flush_s, self._flushed = flush_s, time.monotonic()
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
@@ -42,7 +47,14 @@ class MetricsWriter:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
+            if time.monotonic() - self._flushed >= self.flush_s:
+                self.flush()
+
+    def flush(self) -> None:
+        """Write TensorBoard's pending events now."""
+        if self._tb is not None:
             self._tb.flush()
+        self._flushed = time.monotonic()
 
     def close(self) -> None:
         if self._tb is not None:
@@ -56,6 +68,9 @@ class NullWriter:
         pass
 
     def write(self, row: dict) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def close(self) -> None:

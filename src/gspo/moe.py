@@ -114,6 +114,9 @@ class RoutingCapture:
         self._shape: list[tuple[int, int] | None] = [None] * len(layers)  # (B, S) of the block call
         self._ids: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer, per forward: [B, S, k]
         self._logits: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer, per forward: [B·S, E]
+        self.layout = None
+        """A `logprobs.DecoderLayout`: the forwards were one trimmed or prompt-shared log-prob call
+        (set by the caller from `TokenLogProbs.layout`); `routing` then lays them out as [N, L]."""
 
     def _block_called(self, i: int, hidden: torch.Tensor) -> None:
         self._shape[i] = (hidden.shape[0], hidden.shape[1])  # hidden: [B, S, H]
@@ -138,7 +141,10 @@ class RoutingCapture:
 
     @property
     def routing(self) -> torch.Tensor:
-        """[N, L, layers, k]: the forwards concatenated along rows (one forward, or row micro-batches)."""
+        """[N, L, layers, k]: the forwards concatenated along rows (one forward, or row micro-batches),
+        or laid out by ``layout``."""
+        if self.layout is not None:
+            return layout_routing(self.forwards, self.layout, self.top_k)
         return torch.cat(self.forwards, dim=0)
 
     def generated_routing(self, length: int | None = None) -> torch.Tensor:
@@ -166,6 +172,25 @@ class RoutingCapture:
         if not self.keep_logits:
             raise RuntimeError("routing capture: router logits were not kept (pass keep_logits=True)")
         return tuple(torch.cat(calls, dim=0) for calls in self._logits)
+
+
+def layout_routing(forwards: list[torch.Tensor], layout, k: int) -> torch.Tensor:
+    """[N, L, layers, k] from the forwards of one `response_logprobs` call (``layout``, a
+    `logprobs.DecoderLayout`): the shared prompt forward's rows gathered to every row, then the
+    other columns; columns outside ``start .. stop-1`` (padding in every row, or past every
+    response) get experts 0..k-1, like the unfed tail of `generated_routing`. They are never scored."""
+    if layout.prefix_rows is not None:
+        prefix, rest = forwards                    # [U, P, layers, k], [N, S, layers, k]
+        routing = torch.cat([prefix[layout.prefix_rows.to(prefix.device)], rest], dim=1)  # [N, P + S, ...]
+    else:
+        (routing,) = forwards                      # [N, S, layers, k]
+    N, S, layers, _ = routing.shape
+    if S != layout.stop - layout.start:
+        raise RuntimeError(f"routing capture: {S} columns captured, the layout says {layout.stop - layout.start}")
+    fill = torch.arange(k, dtype=routing.dtype, device=routing.device)
+    left = fill.expand(N, layout.start, layers, k)
+    right = fill.expand(N, layout.length - layout.stop, layers, k)
+    return torch.cat([left, routing, right], dim=1)  # [N, L, layers, k]
 
 
 RouterHook = Callable[[nn.Module, tuple, tuple], tuple | None]

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from gspo import algorithms, data, diagnostics, distributed, moe, objectives, tasks
 from gspo.audit import Recorder
 from gspo.guard import Guard
+from gspo.isolation import correct_all
 from gspo.errors import Interrupted
 from gspo.checkpoint import load_latest
 from gspo.config import TrainConfig, dump_yaml
@@ -284,7 +285,7 @@ class Trainer:
 
     def _reward_stats(self, batch: RolloutBatch, rewards: torch.Tensor, per_source: dict) -> dict:
         G = self.cfg.rollout.group_size
-        correct = [self.task.is_correct(c, ex) for c, ex in zip(batch.completions, batch.examples)]
+        correct = correct_all(self.task, batch.completions, batch.examples)  # one hand-off
         batch.correct = torch.tensor(correct, dtype=torch.bool)   # [N], reused by length_slices
         rewards, lengths = rewards.cpu(), batch.lengths.cpu()     # host copies: no sync per .item()
         scored = rewards[rewards.isfinite()]  # reward.on_error=drop marks dropped samples NaN
@@ -304,14 +305,23 @@ class Trainer:
                   rows: torch.Tensor | None = None):
         """``response_logprobs`` (through the FSDP root when the model is sharded). ``rows``: the
         batch's rows in the rollout batch (CPU), whose groups of G share a prompt: each prompt then
-        runs once (not for MoE, whose routing capture needs every row in one forward, nor under
-        fsdp, whose forwards are collectives that every rank must run alike)."""
-        shared = rows is not None and not self.is_moe and self.dist.policy is None
+        runs once (not under fsdp, whose forwards are collectives that every rank must run alike).
+        Padding columns no response token depends on are trimmed. Both only when ``split_forwards``."""
+        split = self.split_forwards()
+        shared = rows is not None and split and self.dist.policy is None
         groups = rows // self.cfg.rollout.group_size if shared else None
         return self.dist.logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
                                   temperature=self.cfg.rollout.temperature,
                                   chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
-                                  entropy_grad=self.cfg.train.entropy_coef > 0, prompt_groups=groups)
+                                  entropy_grad=self.cfg.train.entropy_coef > 0, prompt_groups=groups,
+                                  trim=split)
+
+    def split_forwards(self) -> bool:
+        """Whether a log-prob pass may run as a trimmed and prompt-shared set of forwards. MoE: only
+        when the routing is just captured (its forwards are laid out again, ``cap.layout``), not
+        replayed, nor needed in one piece for the aux loss."""
+        moe_cfg = self.cfg.moe
+        return not self.is_moe or (moe_cfg.routing_replay == "none" and moe_cfg.aux_loss_coef == 0)
 
     @torch.no_grad()
     def old_logprobs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,7 +338,10 @@ class Trainer:
         else:
             sub = batch.select(rows.to(batch.input_ids.device))
         with self.routing_context(sub) as cap:
-            logp = self._logprobs(self.model, sub, with_entropy=False, rows=rows).logp  # [n, T]
+            out = self._logprobs(self.model, sub, with_entropy=False, rows=rows)
+        logp = out.logp  # [n, T]
+        if cap is not None:
+            cap.layout = out.layout   # the forwards that ran, for cap.routing
         if self.is_moe and "routing" not in batch.extras:
             self._store_routing(batch, rows, cap.routing)  # π_old's experts [N, L, layers, k]
         if rows is None:
@@ -463,6 +476,8 @@ class Trainer:
         if len(rows):
             with self.routing_context(mb, keep_logits=aux_coef > 0) as cap:
                 out = self._logprobs(self.model, mb, with_entropy=True, rows=cpu_rows)  # [n, T]
+            if cap is not None:
+                cap.layout = out.layout   # the forwards that ran, for cap.routing
         if fill_old and out is not None:  # before the first optimizer step π_θ = π_old, bit for bit
             old_logp[rows] = out.logp.detach()
             if self.is_moe and cfg.moe.routing_replay == "none":
@@ -545,7 +560,7 @@ class Trainer:
         if not n:
             return {}
         correct = batch.correct if batch.correct is not None else torch.tensor(
-            [self.task.is_correct(c, ex) for c, ex in zip(batch.completions, batch.examples)])
+            correct_all(self.task, batch.completions, batch.examples))
         return diagnostics.length_slices(
             batch.lengths.cpu(), rewards.cpu(), correct, record["logp"], old_logp, advantages,
             record["mask"], objective=self.objective, objective_kwargs=self.objective_kwargs(0),
@@ -571,6 +586,7 @@ class Trainer:
                 temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed))
 
     def save(self, step: int, wall: float) -> Path:
+        self.metrics.flush()                    # TensorBoard as far as the checkpoint
         state = {"cursor": self.cursor.state(), "history": self.history, "wall_s": wall,
                  "objective": self.cfg.objective.name, "init": self.init_info,
                  "guard": self.guard.state_dict(), "algorithm": self.algorithm.state_dict()}
