@@ -145,3 +145,17 @@ def test_eval_split_validation_scores_the_validation_rows(tmp_path, files):
     assert [e.prompt for e in eval_examples(task, val)] == ["7+1="]
     test = load_config(None, argv)  # the default split is still test
     assert [e.prompt for e in eval_examples(task, test)] == ["2+2=", "3+3="]
+
+
+def test_builtin_task_draws_validation_only_when_asked():
+    from gspo.data import DEFAULT_N_VAL, build_task, eval_examples
+    small = ["task.n_train=300", "task.n_test=40", "sft.enabled=false"]
+    test_cfg = load_config(None, small)
+    assert build_task(test_cfg).split("validation") == []          # not asked: none drawn
+    val_cfg = load_config(None, [*small, "eval.split=validation"])
+    task = build_task(val_cfg)
+    val = eval_examples(task, val_cfg)
+    assert len(val) == DEFAULT_N_VAL
+    assert not {e.prompt for e in val} & {e.prompt for e in task.split("test") + task.split("train")}
+    assert task.split("test") == build_task(test_cfg).split("test")  # test and train do not move
+    assert task.split("train") == build_task(test_cfg).split("train")

@@ -84,7 +84,7 @@ class TaskConfig(Section):
     n_test: int | None = Field(None, ge=1)
     """Held-out prompts to generate (built-in tasks; None: the task's default)."""
     n_val: int | None = Field(None, ge=1)
-    """Validation prompts to generate, disjoint from train and test (built-in tasks; None: the task's default, 200). Used with eval.split=validation to choose hyper-parameters."""
+    """Validation prompts to generate, drawn after train and test and disjoint from both (built-in tasks; None: 200 when eval.split=validation, else none). For choosing hyper-parameters without the test split."""
     params: dict[str, Any] = {}
     """Task-specific generator options (e.g. {max_digits: 2} for arithmetic)."""
     train_file: str | None = None

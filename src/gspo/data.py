@@ -142,7 +142,7 @@ def eval_examples(task, cfg) -> list[Example]:
     examples = task.split(cfg.eval.split)
     if not examples:
         hint = ("set task.validation_file" if cfg.task.name == "custom" else
-                "this task has no validation split (task.n_val)")
+                "set task.n_val (validation prompts to draw)")
         raise UserError(f"eval.split={cfg.eval.split}: the task has no {cfg.eval.split} examples; {hint}")
     return examples[:cfg.eval.n] if cfg.eval.n else examples
 
@@ -151,6 +151,9 @@ def guard_options(policy) -> dict:
     """GuardedTask / GuardedReward keywords from the ``reward:`` config section."""
     timeout = policy.timeout_s + (SANDBOX_GRACE_S if policy.sandbox else 0.0)
     return {"on_error": policy.on_error, "timeout_s": timeout, "max_hung": policy.max_hung}
+
+
+DEFAULT_N_VAL = 200  # validation prompts a built-in task draws when eval.split=validation
 
 
 def build_task(cfg) -> CheckedTask:
@@ -167,10 +170,11 @@ def build_task(cfg) -> CheckedTask:
                            reward=t.reward, correct_threshold=t.correct_threshold,
                            on_error=cfg.data.on_error, sandbox=sandbox)
     else:
-        sizes = {k: v for k, v in (("n_train", t.n_train), ("n_test", t.n_test),
-                                                   ("n_val", t.n_val)) if v is not None}
+        n_val = t.n_val if t.n_val is not None else DEFAULT_N_VAL if cfg.eval.split == "validation" else 0
+        sizes = {k: v for k, v in (("n_train", t.n_train), ("n_test", t.n_test)) if v is not None}
         try:
-            task = tasks.build(t.name, seed=cfg.seed, **sizes, **t.params)
+            task = tasks.build(t.name, seed=cfg.seed, **sizes, **({"n_val": n_val} if n_val else {}),
+                               **t.params)
         except (ValueError, TypeError) as err:  # the generator's options come from task.params
             raise UserError(f"task.params: {err}") from None
     return prepare_task(task, cfg)

@@ -27,7 +27,7 @@ class Arithmetic:
         seed: int = 0,
         n_train: int = 5000,
         n_test: int = 200,
-        n_val: int = 200,
+        n_val: int = 0,
         max_digits: int = 2,
         ops: str = "+-",
         max_mul_digits: int = 1,

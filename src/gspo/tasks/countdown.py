@@ -124,7 +124,7 @@ class Countdown:
         seed: int = 0,
         n_train: int = 5000,
         n_test: int = 200,
-        n_val: int = 200,
+        n_val: int = 0,
         min_numbers: int = 3,
         max_numbers: int = 4,
         max_number: int = 20,

@@ -32,7 +32,7 @@ class MultiStep:
         seed: int = 0,
         n_train: int = 5000,
         n_test: int = 200,
-        n_val: int = 200,
+        n_val: int = 0,
         min_terms: int = 2,
         max_terms: int = 8,
         max_value: int = 50,
