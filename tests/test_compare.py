@@ -183,3 +183,16 @@ def test_quick_suite_end_to_end_and_reuse(tmp_path, monkeypatch, capsys):
     assert main(argv) == 0                       # second time: every run is reused
     assert capsys.readouterr().err.count("reusing") == 4 + 6   # 2 x 2 test runs, 2 x 3 candidates
     assert "## Hyper-parameters" in report and "validation" in report
+
+
+def test_parallel_failure_names_the_run_and_its_log(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    argv = ["compare", str(REPO / "configs/compare/dense.yaml"), *TINY, "model.path=missing-ckpt",
+            "--seeds", "1", "--variants", "gspo,grpo", "--no-tune", "--jobs", "2", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "compare: gspo seed 0: FAILED (exit 2): gspo: error: model.path" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("gspo: error: compare: ") and "logs/" in last and "Traceback" not in err
+    assert not (out / "results.json").exists()

@@ -10,8 +10,8 @@ objective, its clip range and switches such as routing replay.
    overrides. The test split is never looked at to choose.
 2. Test runs: each variant x seed into ``OUT/<variant>/seed<k>/``, evaluated on the test split.
 
-Runs go one after another, or ``jobs`` at a time in worker processes (each with cores / jobs
-threads); a finished run whose resolved config is unchanged is reused. Then ``OUT/results.json``,
+Runs go one after another, or ``jobs`` at a time as ``gspo train`` processes (each with cores /
+jobs threads, its output in ``OUT/logs/``); a finished run whose resolved config is unchanged is reused. Then ``OUT/results.json``,
 ``OUT/report.md`` and ``OUT/plots/*.png`` are written from the runs' ``metrics.jsonl`` and
 ``summary.json``.
 """
@@ -23,8 +23,7 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from multiprocessing import get_context
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +31,7 @@ import yaml
 from pydantic import Field
 
 from gspo.config import ConfigError, Section, TrainConfig, load_config, read_yaml
+from gspo.errors import UserError
 from gspo.metrics import read_metrics
 
 # --------------------------------------------------------------------------------- suite format
@@ -144,24 +144,9 @@ def _finished(cfg: TrainConfig) -> bool:
     return yaml.safe_load((run_dir / "config.yaml").read_text()) == cfg.model_dump(mode="json")
 
 
-def _job(kind: str, config: dict, threads: int | None) -> float:
-    """One worker's job (top level, so that spawned processes can import it): 'cold_start'
-    trains or loads the cached SFT policy only; 'train' runs the whole ``Trainer``. Returns its
-    seconds. In a worker (``threads`` set) library progress bars are off: the parent logs."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from gspo.trainer import Trainer, build_task, initial_policy
-    t0 = time.perf_counter()
-    if threads:
-        torch.set_num_threads(threads)
-        hf_logging.disable_progress_bar()
-    cfg = TrainConfig.model_validate(config)
-    if kind == "cold_start":
-        initial_policy(cfg, build_task(cfg), log=lambda m: None, progress=False)
-    else:
-        Trainer(cfg, log=lambda m: None).run()
-    return time.perf_counter() - t0
+def _command(kind: str, config_file: Path) -> list[str]:
+    """The command line of one job: ``gspo sft`` (the cold start only) or ``gspo train``."""
+    return [sys.executable, "-m", "gspo.cli", "sft" if kind == "cold_start" else "train", str(config_file)]
 
 
 def _cold_start_key(cfg: TrainConfig) -> str | None:
@@ -172,12 +157,17 @@ def _cold_start_key(cfg: TrainConfig) -> str | None:
     return None if cached_checkpoint(cfg.sft.cache_dir, key) else key
 
 
-def train_all(runs: dict[str, TrainConfig], jobs: int, log: Callable[[str], None]) -> None:
-    """Train every unfinished run: in this process (jobs=1) or ``jobs`` worker processes.
+def train_all(runs: dict[str, TrainConfig], jobs: int, log: Callable[[str], None],
+              logs: Path) -> None:
+    """Train every unfinished run: in this process (jobs=1) or as ``jobs`` parallel ``gspo``
+    processes, each with cores / jobs torch threads and its output in ``logs/<run>.log``.
 
-    With workers, the cold starts the runs need and the cache lacks are trained first, one per
-    distinct cache key, so that two runs never train the same cold start at once.
+    A worker is the same ``gspo train CONFIG`` a user would type, fed the resolved config as
+    YAML, so nothing but files crosses between processes. The cold starts the runs need and the
+    cache lacks are trained first, once per cache key, so that two workers never train the same
+    one at once.
     """
+    from gspo.trainer import Trainer
     todo = {}
     for label, cfg in runs.items():
         if _finished(cfg):
@@ -189,42 +179,50 @@ def train_all(runs: dict[str, TrainConfig], jobs: int, log: Callable[[str], None
     if jobs == 1:
         for label, cfg in todo.items():
             log(f"compare: {label}: training into {cfg.run.dir}")
-            seconds = _job("train", cfg.model_dump(mode="json"), None)
-            log(f"compare: {label}: done in {seconds:.0f} s")
+            t0 = time.perf_counter()
+            Trainer(cfg, log=lambda m: None).run()
+            log(f"compare: {label}: done in {time.perf_counter() - t0:.0f} s")
         return
-    threads = max(1, (os.cpu_count() or 1) // jobs)
     cold = {}
     for label, cfg in todo.items():
         if (key := _cold_start_key(cfg)) is not None:
-            cold.setdefault(key, (f"cold start {key} (for {label})", cfg))
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-        for stage, batch in (("cold_start", dict(cold.values())), ("train", todo)):
-            _run_batch(pool, stage, batch, threads, log)
+            cold.setdefault(key, (f"cold start {key}", cfg))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    for kind, batch in (("cold_start", dict(cold.values())), ("train", todo)):
+        _run_parallel(kind, batch, jobs, threads, logs, log)
 
 
-def _run_batch(pool, kind: str, batch: dict[str, TrainConfig], threads: int, log) -> None:
-    """Submit every job of ``batch``, log each as it ends; the first failure is raised once
-    the jobs in flight have finished (their runs are kept)."""
-    started, failed = {}, []
-    for label, cfg in batch.items():
-        log(f"compare: {label}: queued" + (f" (into {cfg.run.dir})" if kind == "train" else ""))
-        started[pool.submit(_job, kind, cfg.model_dump(mode="json"), threads)] = label
-    pending = set(started)
-    while pending:
-        done, pending = wait(pending, return_when=FIRST_COMPLETED)
-        for fut in done:
-            label = started[fut]
-            if fut.cancelled():
-                log(f"compare: {label}: not run (an earlier job failed)")
-            elif fut.exception() is None:
-                log(f"compare: {label}: done in {fut.result():.0f} s")
+def _run_parallel(kind: str, batch: dict[str, TrainConfig], jobs: int, threads: int,
+                  logs: Path, log: Callable[[str], None]) -> None:
+    """Run ``batch`` ``jobs`` at a time; log each as it ends. After a failure no new job starts;
+    those in flight finish (their runs are kept), then the failure is raised naming its log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
+    queue, running, failed = list(batch.items()), {}, []
+    while queue or running:
+        while queue and len(running) < jobs and not failed:
+            label, cfg = queue.pop(0)
+            name = label.replace(" ", "_")
+            config_file, log_file = logs / f"{name}.yaml", logs / f"{name}.log"
+            config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            with log_file.open("w") as fh:
+                proc = subprocess.Popen(_command(kind, config_file), stdout=fh, stderr=subprocess.STDOUT,
+                                        env=env)
+            running[proc] = (label, log_file, time.perf_counter())
+            log(f"compare: {label}: started" + (f" (into {cfg.run.dir})" if kind == "train" else ""))
+        if failed and not running:
+            break
+        time.sleep(0.5)
+        for proc in [p for p in running if p.poll() is not None]:
+            label, log_file, t0 = running.pop(proc)
+            if proc.returncode == 0:
+                log(f"compare: {label}: done in {time.perf_counter() - t0:.0f} s")
             else:
-                log(f"compare: {label}: FAILED: {fut.exception()}")
-                failed.append(fut.exception())
-                for other in pending:
-                    other.cancel()  # not started yet: skipped
+                lines = log_file.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+                log(f"compare: {label}: FAILED (exit {proc.returncode}): {lines[-1]}")
+                failed.append(f"{label} failed (exit {proc.returncode}): {lines[-1]}; full output in {log_file}")
     if failed:
-        raise failed[0]
+        raise UserError("compare: " + failed[0])
 
 
 def tune_scores(suite: Suite, dirs: dict[int, list[Path]]) -> list[dict]:
@@ -273,7 +271,8 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
     for v in variants:  # every test config validates before the first run (with any candidate)
         for cand in suite.tune.grid.get(v.name, [[]]) if v in tuned else [[]]:
             config(v, 0, chosen=cand)
-    train_all({f"tune {n} candidate {i} seed {k}": c for (n, i, k), c in grid.items()}, jobs, log)
+    train_all({f"tune {n} candidate {i} seed {k}": c for (n, i, k), c in grid.items()}, jobs, log,
+              out / "logs")
     tuning, chosen = {}, {}
     for v in tuned:
         scores = tune_scores(suite, {i: [Path(grid[v.name, i, k].run.dir) for k in range(suite.tune.seeds)]
@@ -286,7 +285,7 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
         log(f"compare: tuned {v.name}: {' '.join(chosen[v.name])} (validation score "
             f"{scores[best]['score']:.3f})")
     configs = {(v.name, k): config(v, k, chosen=chosen.get(v.name, [])) for v in variants for k in range(seeds)}
-    train_all({f"{n} seed {k}": c for (n, k), c in configs.items()}, jobs, log)
+    train_all({f"{n} seed {k}": c for (n, k), c in configs.items()}, jobs, log, out / "logs")
     runs = {v.name: [Path(configs[v.name, k].run.dir) for k in range(seeds)] for v in variants}
     results = collect(suite, runs, quick=quick, suite_file=str(suite_file), extra=list(extra),
                       chosen=chosen)
