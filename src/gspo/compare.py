@@ -229,12 +229,16 @@ def tune_scores(suite: Suite, dirs: dict[int, list[Path]]) -> list[dict]:
     """Each candidate's overrides, per-seed and mean validation scores (``Tune.last_evals``)."""
     out = []
     for i, seeds in sorted(dirs.items()):
-        per_seed = []
+        per_seed, n_eval = [], []
         for run_dir in seeds:
             series = eval_series(read_metrics(run_dir))
             last = [a for _, a in series[1:]][-suite.tune.last_evals:] or [a for _, a in series]
             per_seed.append(statistics.fmean(last))
+            summary = run_dir / "summary.json"
+            if summary.is_file():
+                n_eval.append(json.loads(summary.read_text())["eval_after"].get("n"))
         out.append({"candidate": i, "score": statistics.fmean(per_seed), "per_seed": per_seed,
+                    "n_eval": min((n for n in n_eval if n), default=None),
                     "runs": [str(d) for d in seeds]})
     return out
 

@@ -112,13 +112,14 @@ def tuning_section(tuning: dict) -> list[str]:
         why = "tuning was switched off (--no-tune)" if tuning and not tuning.get("enabled") else \
             "the suite lists no grid"
         return lines + [f"Each objective's paper defaults (src/gspo/objectives.py): {why}."]
+    budget = (f"at the test runs' budget except `{' '.join(tuning['overrides'])}`"
+              if tuning["overrides"] else "at the test runs' budget")
     lines += [f"Chosen on the task's **validation** split (disjoint from train and test; the test "
-              f"split is never looked at to choose), at the same budget as the test runs, "
-              f"{tuning['seeds']} seed(s) per candidate"
-              + (f", tuning overrides `{' '.join(tuning['overrides'])}`" if tuning["overrides"] else "")
-              + f". Score: mean validation accuracy over a run's last {tuning['last_evals']} "
-              "evaluations, averaged over seeds; ties go to the earlier candidate (the paper default "
-              "is listed first). Variants not listed use their paper defaults.", "",
+              f"split is never looked at to choose), {budget}, {tuning['seeds']} seed(s) per "
+              f"candidate. Score: mean validation accuracy over a run's last "
+              f"{tuning['last_evals']} evaluations, averaged over seeds; ties go to the earlier "
+              "candidate (the paper default is listed first). Variants not listed use their paper "
+              "defaults.", "",
               "| variant | candidate | validation score | chosen |", "|---|---|---|---|"]
     for name, t in tuning["variants"].items():
         for c in t["candidates"]:
@@ -126,7 +127,27 @@ def tuning_section(tuning: dict) -> list[str]:
             lines.append(f"| {name} | `{' '.join(c['overrides'])}` | {c['score']:.3f}"
                          + (f" ({per})" if len(c["per_seed"]) > 1 else "")
                          + f" | {'**yes**' if c['candidate'] == t['chosen'] else ''} |")
+    lines += ["", *resolution(tuning)]
     return lines
+
+
+def resolution(tuning: dict) -> list[str]:
+    """How far apart candidates must be for the grid to tell them apart: the binomial standard
+    error sqrt(p(1-p)/n) of one evaluation's accuracy, against each variant's spread of scores."""
+    out = []
+    for name, t in tuning["variants"].items():
+        cands = t["candidates"]
+        n = min((c.get("n_eval") or 0 for c in cands), default=0)
+        if not n:
+            continue
+        p = statistics.fmean(c["score"] for c in cands)
+        se = (p * (1 - p) / n) ** 0.5
+        spread = max(c["score"] for c in cands) - min(c["score"] for c in cands)
+        verdict = "wider than" if spread > 2 * se else "within"
+        out.append(f"{name}: candidates span {spread:.3f}, {verdict} twice the standard error "
+                   f"of one evaluation on {n} prompts (2 × {se:.3f})"
+                   + ("; the choice is not distinguishable from noise." if verdict == "within" else "."))
+    return ["Resolution of the grid: " + " ".join(f"{x}" for x in out)] if out else []
 
 
 def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> Path:
@@ -144,7 +165,7 @@ def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> P
     seeds = max(v["summary"]["seeds"] for v in results["variants"].values())
     lines = [f"# Equal-budget comparison: `{results['suite_file']}`", "",
              f"{seeds} seed(s) per variant{', --quick budget' if results['quick'] else ''}. "
-             f"Shared overrides (the budget): `{' '.join(results['shared_overrides'] + results['extra']) or 'none'}`; "
+             f"Shared overrides (the budget): `{' '.join(results['shared_overrides'] + results['extra']) or 'none'}`. "
              + (f"--quick adds `{' '.join(results['quick_overrides'])}`. " if results["quick"] else "")
              + "Each variant adds only its own overrides:", ""]
     lines += [f"* **{n}**: `{' '.join(v['overrides'] + v.get('tuned_overrides', [])) or '(base)'}`"
