@@ -411,6 +411,9 @@ def _pm(stat: dict, fmt: str = ".3f") -> str:
 INCONCLUSIVE = "inconclusive (difference within seed spread)"
 
 
+SPEED = {"better": "GSPO faster", "worse": "GSPO slower", "within": "within the seed spread"}
+
+
 def claim_stability(gspo: dict, grpo: dict) -> tuple[str, str]:
     """GSPO trains more stably and efficiently than GRPO (Fig. 1)."""
     g, r = gspo["summary"], grpo["summary"]
@@ -422,7 +425,9 @@ def claim_stability(gspo: dict, grpo: dict) -> tuple[str, str]:
                      f"final {_pm(g['final_accuracy'])} vs {_pm(r['final_accuracy'])}, collapses "
                      f"{g['collapses']}/{g['seeds']} vs {r['collapses']}/{r['seeds']}, reached the "
                      f"threshold {g['reached_threshold']}/{g['seeds']} vs "
-                     f"{r['reached_threshold']}/{r['seeds']}")
+                     f"{r['reached_threshold']}/{r['seeds']} (steps to it "
+                     f"{_pm(g['steps_to_threshold'], '.0f')} vs {_pm(r['steps_to_threshold'], '.0f')}, "
+                     f"{SPEED[compare_means(r['steps_to_threshold'], g['steps_to_threshold'])]})")
 
 
 CLIP_FACTOR = 10.0  # "far more": at least an order of magnitude (the paper reports about two)
