@@ -23,6 +23,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -147,16 +148,21 @@ class LoadedState:
     scheduler: dict
 
 
-def load_latest(run_dir: str | Path, warn=print) -> LoadedState | None:
-    """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
+def load_latest(run_dir: str | Path, warn=print, accept: Callable[[dict], bool] | None = None,
+                who: str = "resume") -> LoadedState | None:
+    """The newest checkpoint that verifies and whose trainer state ``accept`` takes (default:
+    any); corrupt ones are reported (as ``who``) and skipped."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
             verify(path)
         except CheckpointError as err:
-            warn(f"resume: refusing corrupt checkpoint {err}; falling back to the previous one")
+            warn(f"{who}: refusing corrupt checkpoint {err}; falling back to the previous one")
+            continue
+        state = json.loads((path / STATE_FILE).read_text())
+        if accept is not None and not accept(state):
             continue
         return LoadedState(
-            path=path, state=json.loads((path / STATE_FILE).read_text()),
+            path=path, state=state,
             optimizer=torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"),
             scheduler=torch.load(path / "scheduler.pt", weights_only=True, map_location="cpu"),
         )

@@ -291,21 +291,9 @@ def set_lr_multiplier(optimizer, scheduler, base_lrs: list[float], multiplier: f
 
 def last_good_checkpoint(run_dir: Path, warn=print):
     """The newest checkpoint that verifies and was saved by a step that passed the guard."""
-    from gspo.checkpoint import STATE_FILE, CheckpointError, LoadedState, list_checkpoints, verify
-    import torch
-    for path in reversed(list_checkpoints(run_dir)):
-        try:
-            verify(path)
-        except CheckpointError as err:
-            warn(f"guard: skipping checkpoint: {err}")
-            continue
-        state = json.loads((path / STATE_FILE).read_text())
-        if not state.get("guard", {}).get("passed", True):
-            continue
-        load = lambda name: torch.load(path / name, weights_only=True, map_location="cpu")  # noqa: E731
-        return LoadedState(path=path, state=state, optimizer=load("optimizer.pt"),
-                           scheduler=load("scheduler.pt"))
-    return None
+    from gspo.checkpoint import load_latest
+    return load_latest(run_dir, warn, accept=lambda state: state.get("guard", {}).get("passed", True),
+                       who="guard")
 
 
 def read_events(run_dir: str | Path) -> list[dict]:
