@@ -301,6 +301,16 @@ class Trainer:
             stats.update({f"reward/{k}": v.nanmean().item() for k, v in per_source.items()})
         return stats
 
+    def _routed_logprobs(self, batch: RolloutBatch, with_entropy: bool, rows: torch.Tensor | None,
+                         keep_logits: bool = False):
+        """The policy's ``_logprobs`` inside ``routing_context``: (log-probs, the routing capture or
+        None), the capture told which forwards ran (``layout``) so that ``cap.routing`` is laid out."""
+        with self.routing_context(batch, keep_logits=keep_logits) as cap:
+            out = self._logprobs(self.model, batch, with_entropy=with_entropy, rows=rows)
+        if cap is not None:
+            cap.layout = out.layout
+        return out, cap
+
     def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool,
                   rows: torch.Tensor | None = None):
         """``response_logprobs`` (through the FSDP root when the model is sharded). ``rows``: the
@@ -337,11 +347,8 @@ class Trainer:
             return batch.response_mask.new_zeros(batch.response_mask.shape, dtype=torch.float32)
         else:
             sub = batch.select(rows.to(batch.input_ids.device))
-        with self.routing_context(sub) as cap:
-            out = self._logprobs(self.model, sub, with_entropy=False, rows=rows)
+        out, cap = self._routed_logprobs(sub, with_entropy=False, rows=rows)
         logp = out.logp  # [n, T]
-        if cap is not None:
-            cap.layout = out.layout   # the forwards that ran, for cap.routing
         if self.is_moe and "routing" not in batch.extras:
             self._store_routing(batch, rows, cap.routing)  # π_old's experts [N, L, layers, k]
         if rows is None:
@@ -474,10 +481,8 @@ class Trainer:
         counts = self.dist.global_counts(mb_mask)   # ranks: normalisers over all ranks ({} in one process)
         out = cap = None
         if len(rows):
-            with self.routing_context(mb, keep_logits=aux_coef > 0) as cap:
-                out = self._logprobs(self.model, mb, with_entropy=True, rows=cpu_rows)  # [n, T]
-            if cap is not None:
-                cap.layout = out.layout   # the forwards that ran, for cap.routing
+            out, cap = self._routed_logprobs(mb, with_entropy=True, rows=cpu_rows,
+                                             keep_logits=aux_coef > 0)  # [n, T]
         if fill_old and out is not None:  # before the first optimizer step π_θ = π_old, bit for bit
             old_logp[rows] = out.logp.detach()
             if self.is_moe and cfg.moe.routing_replay == "none":
