@@ -273,7 +273,7 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
     grid = {(v.name, i, k): config(v, k, candidate=i) for v in tuned
             for i in range(len(suite.tune.grid[v.name])) for k in range(suite.tune.seeds)}
     for v in variants:  # every test config validates before the first run (with any candidate)
-        for cand in suite.tune.grid.get(v.name, [[]]) if v in tuned else [[]]:
+        for cand in (suite.tune.grid[v.name] if v in tuned else [[]]):
             config(v, 0, chosen=cand)
     train_all({f"tune {n} candidate {i} seed {k}": c for (n, i, k), c in grid.items()}, jobs, log,
               out / "logs")

@@ -74,7 +74,7 @@ NOT_TRAINING_DATA = {"n_val", "validation_file"}
 
 def cache_key(model_cfg, task_cfg, sft_cfg: SFTConfig, seed: int) -> str:
     sft = sft_cfg.model_dump(exclude={"cache_dir", "enabled"})
-    task = task_cfg.model_dump(exclude=NOT_TRAINING_DATA) if hasattr(task_cfg, "model_dump") else task_cfg
+    task = task_cfg.model_dump(exclude=NOT_TRAINING_DATA)
     train_file = getattr(task_cfg, "train_file", None)  # custom data: its content, not only its path
     data = [hashlib.sha256(Path(train_file).read_bytes()).hexdigest()] if train_file else []
     return config_hash(model_cfg, task, sft, seed, *data)
