@@ -25,7 +25,7 @@ from dataclasses import asdict
 from gspo.errors import UserError
 from gspo.isolation import GuardedTask
 from gspo.tasks import Example, TaskDataError
-from gspo.tasks.base import pick_split
+from gspo.tasks.base import SPLITS, pick_split
 
 SANDBOX_GRACE_S = 5.0  # in-process timeout beyond the sandbox's own wall limit, so it acts first
 MAX_LISTED = 20  # skipped examples listed by name in the report (all are counted)
@@ -112,7 +112,7 @@ def prepare_task(task, cfg, log=None) -> CheckedTask:
     skip = cfg.data.on_error == "skip"
     listed = list(getattr(task, "skipped", []))  # JSONL rows the task itself refused
     splits, counts = {}, {}
-    for split in ("train", "test", "validation"):
+    for split in SPLITS:
         examples = _split_or_empty(task, split)
         problems = example_problems(examples, tokenizer, context, cfg.rollout.max_new_tokens)
         for i, reason in problems.items():
