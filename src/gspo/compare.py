@@ -402,9 +402,10 @@ def compare_means(a: dict, b: dict) -> str:
     return "better" if diff > spread else "worse" if diff < -spread else "within"
 
 
-def _pm(stat: dict, fmt: str = ".3f") -> str:
+def pm(stat: dict, fmt: str = ".3f", missing: str = "n/a") -> str:
+    """'mean ± std' of a mean_std dict, or ``missing`` when it has no values."""
     if stat["mean"] is None:
-        return "n/a"
+        return missing
     return f"{stat['mean']:{fmt}} ± {stat['std']:{fmt}}"
 
 
@@ -421,12 +422,12 @@ def claim_stability(gspo: dict, grpo: dict) -> tuple[str, str]:
     stable = g["collapses"] <= r["collapses"]
     verdict = ("held" if acc == "better" and stable else
                "did not hold" if acc == "worse" or g["collapses"] > r["collapses"] else INCONCLUSIVE)
-    return verdict, (f"best held-out accuracy {_pm(g['best_accuracy'])} vs {_pm(r['best_accuracy'])}, "
-                     f"final {_pm(g['final_accuracy'])} vs {_pm(r['final_accuracy'])}, collapses "
+    return verdict, (f"best held-out accuracy {pm(g['best_accuracy'])} vs {pm(r['best_accuracy'])}, "
+                     f"final {pm(g['final_accuracy'])} vs {pm(r['final_accuracy'])}, collapses "
                      f"{g['collapses']}/{g['seeds']} vs {r['collapses']}/{r['seeds']}, reached the "
                      f"threshold {g['reached_threshold']}/{g['seeds']} vs "
                      f"{r['reached_threshold']}/{r['seeds']} (steps to it "
-                     f"{_pm(g['steps_to_threshold'], '.0f')} vs {_pm(r['steps_to_threshold'], '.0f')}, "
+                     f"{pm(g['steps_to_threshold'], '.0f')} vs {pm(r['steps_to_threshold'], '.0f')}, "
                      f"{SPEED[compare_means(r['steps_to_threshold'], g['steps_to_threshold'])]})")
 
 
@@ -443,10 +444,10 @@ def claim_clipping(gspo: dict, grpo: dict) -> tuple[str, str]:
     verdict = ("did not hold" if not more or acc == "worse" else
                "held" if min(g["seeds"], r["seeds"]) > 1 else INCONCLUSIVE)
     ftxt = "n/a" if factor is None else "GRPO clipped none" if factor == float("inf") else f"{factor:.1f}x"
-    return verdict, (f"clipped fraction of tokens {_pm(g['clip_frac_tokens'], '.4f')} vs "
-                     f"{_pm(r['clip_frac_tokens'], '.4f')} ({ftxt}; 'far more' means >= "
-                     f"{CLIP_FACTOR:.0f}x), final accuracy {_pm(g['final_accuracy'])} vs "
-                     f"{_pm(r['final_accuracy'])} ({'as well or better' if acc != 'worse' else 'worse'})")
+    return verdict, (f"clipped fraction of tokens {pm(g['clip_frac_tokens'], '.4f')} vs "
+                     f"{pm(r['clip_frac_tokens'], '.4f')} ({ftxt}; 'far more' means >= "
+                     f"{CLIP_FACTOR:.0f}x), final accuracy {pm(g['final_accuracy'])} vs "
+                     f"{pm(r['final_accuracy'])} ({'as well or better' if acc != 'worse' else 'worse'})")
 
 
 def claim_routing_replay(gspo: dict, grpo: dict, grpo_replay: dict) -> tuple[str, str]:
@@ -458,9 +459,9 @@ def claim_routing_replay(gspo: dict, grpo: dict, grpo_replay: dict) -> tuple[str
     verdict = ("held" if gspo_stable and needs else
                "did not hold" if not gspo_stable or acc == "worse" else INCONCLUSIVE)
     return verdict, (f"GSPO without replay: collapses {g['collapses']}/{g['seeds']}, final "
-                     f"{_pm(g['final_accuracy'])} from cold start {_pm(g['cold_accuracy'])}; GRPO "
-                     f"without / with replay: final {_pm(r['final_accuracy'])} / "
-                     f"{_pm(rr['final_accuracy'])}, collapses {r['collapses']}/{r['seeds']} / "
+                     f"{pm(g['final_accuracy'])} from cold start {pm(g['cold_accuracy'])}; GRPO "
+                     f"without / with replay: final {pm(r['final_accuracy'])} / "
+                     f"{pm(rr['final_accuracy'])}, collapses {r['collapses']}/{r['seeds']} / "
                      f"{rr['collapses']}/{rr['seeds']}")
 
 

@@ -14,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gspo.compare import pm  # noqa: E402
 from gspo.metrics import read_metrics  # noqa: E402
 
 # (metric key, title, log y); a panel is drawn only when some run logged the metric.
@@ -85,9 +86,7 @@ def plot_metric(runs: dict[str, list[list[dict]]], key: str, title: str, path: P
 
 
 def _cell(stat: dict, fmt: str = ".3f") -> str:
-    if stat["mean"] is None:
-        return "–"
-    return f"{stat['mean']:{fmt}} ± {stat['std']:{fmt}}"
+    return pm(stat, fmt, missing="–")
 
 
 def table(results: dict) -> list[str]:
