@@ -1,4 +1,4 @@
-"""Peak memory of response log-probs: chunked head (gspo.logprobs) vs full logits, one long response.
+"""Peak memory of response log-probs: chunked head (gspo.core.logprobs) vs full logits, one long response.
 
 Each variant runs in a fresh subprocess on the same seeded model and batch. On CPU the figure is
 the rise of peak RSS (ru_maxrss) over the process's resident size once the model and batch exist;
@@ -67,7 +67,7 @@ def _rss_bytes() -> int:
 
 def _worker(a: argparse.Namespace) -> None:
     """Build, warm up on a short batch, then measure one call of one variant."""
-    from gspo.logprobs import naive_response_logprobs, response_logprobs
+    from gspo.core.logprobs import naive_response_logprobs, response_logprobs
 
     model, ids, am, rm = _model_and_batch(a)
     fn = response_logprobs if a.worker == "chunked" else naive_response_logprobs

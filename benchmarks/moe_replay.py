@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from gspo import moe
-from gspo.advantages import group_advantages
+from gspo.models import moe
+from gspo.core.advantages import group_advantages
 from gspo.config import load_config
-from gspo.trainer import Trainer
+from gspo.training.trainer import Trainer
 
 
 def timed(fn, repeats: int) -> float:

@@ -1,6 +1,6 @@
 """Wall time per RL step: gspo vs TRL's GRPOTrainer (configured for GSPO) on the same work.
 
-Same local tiny checkpoint (built with ``gspo.models.build_model`` and saved to a temp dir), same
+Same local tiny checkpoint (built with ``gspo.models.presets.build_model`` and saved to a temp dir), same
 prompts in the same order (gspo's data cursor), same reward, and:
 
     P prompts per step x G responses      TRL: generation_batch_size = P*G, num_generations = G
@@ -130,7 +130,7 @@ class GspoRunner:
 
     def __init__(self, a: argparse.Namespace, checkpoint: Path, run_dir: Path):
         from gspo.config import load_config
-        from gspo.trainer import Trainer
+        from gspo.training.trainer import Trainer
         overrides = {
             "seed": a.seed, "run.dir": str(run_dir), "run.overwrite": True, "run.progress": False,
             "run.threads": a.threads, "model.path": str(checkpoint), "model.device": "cpu",
@@ -264,11 +264,11 @@ def make_callback(a: argparse.Namespace, gspo: GspoRunner, results: dict):
 
 def bench_preset(a: argparse.Namespace, preset: str, tmp: Path) -> dict:
     from gspo import tasks
-    from gspo.models import build_model, save_model
-    from gspo.trainer import DataCursor
+    from gspo.models.presets import build_model, save_model
+    from gspo.training.trainer import DataCursor
 
     if a.init == "coldstart":                       # gspo's cold start of the job, cached
-        from gspo.trainer import build_task, initial_policy
+        from gspo.training.trainer import build_task, initial_policy
         cfg = job_config(a, preset)
         _, _, info = initial_policy(cfg, build_task(cfg), log=print, progress=False)
         checkpoint = Path(info["checkpoint"])
@@ -277,7 +277,7 @@ def bench_preset(a: argparse.Namespace, preset: str, tmp: Path) -> dict:
         model, tokenizer = build_model(preset, a.seed)
         save_model(model, tokenizer, checkpoint)
     gspo = GspoRunner(a, checkpoint, tmp / f"{preset}-gspo")
-    task = gspo.trainer.task
+    task = gspo.training.trainer.task
     train = task.split("train")
     steps = a.warmup + a.rounds * a.steps
     order = DataCursor(len(train), a.seed).take(a.prompts * steps)   # gspo's prompts, in order

@@ -36,7 +36,7 @@ def _restore_library_settings(monkeypatch):
 @pytest.fixture(scope="session")
 def tiny():
     """(model, tokenizer) of the tiny-dense preset, seed 0, eval mode. Do not mutate."""
-    from gspo.models import build_model
+    from gspo.models.presets import build_model
     model, tokenizer = build_model("tiny-dense", 0)
     return model.eval(), tokenizer
 
@@ -44,7 +44,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def saved_tiny(tiny, tmp_path_factory):
     """The session's tiny model saved as a standard transformers directory."""
-    from gspo.models import save_model
+    from gspo.models.presets import save_model
     path = tmp_path_factory.mktemp("tiny-dense")
     save_model(*tiny, path)
     return path
@@ -115,7 +115,7 @@ def parity_rewards(reward_module: str) -> str:
 @pytest.fixture
 def fresh(make_cfg, reward_module):
     """fresh(*overrides) -> an untrained policy (no SFT), parity reward, set up but not run."""
-    from gspo.trainer import Trainer
+    from gspo.training.trainer import Trainer
 
     def build(*overrides):
         t = Trainer(make_cfg("sft.enabled=false", parity_rewards(reward_module), *overrides),

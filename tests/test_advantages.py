@@ -1,12 +1,12 @@
-"""Tests for gspo.advantages: group-relative advantages (GSPO Eq. 6), by hand and against a loop."""
+"""Tests for gspo.core.advantages: group-relative advantages (GSPO Eq. 6), by hand and against a loop."""
 
 import statistics
 
 import pytest
 import torch
 
-from gspo import advantages
-from gspo.advantages import group_advantages
+from gspo.core import advantages
+from gspo.core.advantages import group_advantages
 
 
 def test_hand_example_group_scale():

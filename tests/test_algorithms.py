@@ -1,4 +1,4 @@
-"""The baselines in the trainer (gspo.algorithms): PPO with a critic and continued SFT, on tiny-dense.
+"""The baselines in the trainer (gspo.training.algorithms): PPO with a critic and continued SFT, on tiny-dense.
 
 Rewards: the first-character-parity reward of conftest (varies inside groups for an untrained
 model). One shared PPO run is checked for metrics, moved weights (policy and critic), critic files
@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo import algorithms
+from gspo.training import algorithms
 from gspo.config import ConfigError, load_config
-from gspo.metrics import read_metrics
-from gspo.models import load_model
-from gspo.trainer import Trainer, initial_policy, build_task
-from gspo.value import Critic
+from gspo.observe.metrics import read_metrics
+from gspo.models.presets import load_model
+from gspo.training.trainer import Trainer, initial_policy, build_task
+from gspo.core.value import Critic
 
 PPO_KEYS = ["value/loss", "value/explained_variance", "value/mean", "value/clip_frac",
             "value/returns_mean", "policy/loss", "policy/clip_frac_tokens", "policy/ratio_mean"]

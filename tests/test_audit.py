@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gspo import audit, objectives
+from gspo.tools import audit
+from gspo.core import objectives
 from gspo.cli import main
-from gspo.diagnostics import length_buckets, length_slices, logprob_mismatch
-from gspo.metrics import read_metrics
-from gspo.report import build_report
-from gspo.trainer import Trainer
+from gspo.observe.diagnostics import length_buckets, length_slices, logprob_mismatch
+from gspo.observe.metrics import read_metrics
+from gspo.observe.report import build_report
+from gspo.training.trainer import Trainer
 
 
 def _parity(reward_module: str) -> str:

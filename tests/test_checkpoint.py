@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from gspo.checkpoint import (
+from gspo.training.checkpoint import (
     CHECKSUM_FILE,
     STATE_FILE,
     CheckpointError,
@@ -15,8 +15,8 @@ from gspo.checkpoint import (
     save_checkpoint,
     verify,
 )
-from gspo.models import build_model, load_model
-from gspo.optim import build_optimizer, build_scheduler
+from gspo.models.presets import build_model, load_model
+from gspo.training.optim import build_optimizer, build_scheduler
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import dump_yaml
-from gspo.models import load_model
+from gspo.models.presets import load_model
 
 _SCRIPT = Path(sys.executable).with_name("gspo")
 GSPO = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "gspo"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gspo import compare
+from gspo.tools import compare
 from gspo.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def test_suite_errors_name_the_problem(tmp_path):
 
 
 def test_tune_score_is_mean_of_last_evaluations_and_ties_go_first(tmp_path):
-    from gspo.metrics import MetricsWriter
+    from gspo.observe.metrics import MetricsWriter
     suite = compare.Suite(base="x.yaml", variants=[{"name": "a"}], tune={"last_evals": 2})
     dirs = {}
     for i, accs in enumerate([{0: 0.1, 2: 0.9, 4: 0.3, 6: 0.5},     # last two: (0.3 + 0.5) / 2 = 0.4

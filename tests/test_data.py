@@ -10,8 +10,8 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import load_config
-from gspo.data import example_problems, tokenizer_and_context
-from gspo.sft import cache_key
+from gspo.rollout.data import example_problems, tokenizer_and_context
+from gspo.training.cold_start import cache_key
 from gspo.tasks import Example
 
 GOOD = '{"prompt": "1+1=", "answer": "2"}'
@@ -137,7 +137,7 @@ def test_eval_split_validation_needs_a_validation_file(capsys, tmp_path, files):
 
 
 def test_eval_split_validation_scores_the_validation_rows(tmp_path, files):
-    from gspo.data import build_task, eval_examples
+    from gspo.rollout.data import build_task, eval_examples
     (tmp_path / "val.jsonl").write_text('{"prompt": "7+1=", "answer": "8"}\n')
     argv = [*files([GOOD]), f"task.validation_file={tmp_path / 'val.jsonl'}"]
     val = load_config(None, [*argv, "eval.split=validation"])
@@ -148,7 +148,7 @@ def test_eval_split_validation_scores_the_validation_rows(tmp_path, files):
 
 
 def test_builtin_task_draws_validation_only_when_asked():
-    from gspo.data import DEFAULT_N_VAL, build_task, eval_examples
+    from gspo.rollout.data import DEFAULT_N_VAL, build_task, eval_examples
     small = ["task.n_train=300", "task.n_test=40", "sft.enabled=false"]
     test_cfg = load_config(None, small)
     assert build_task(test_cfg).split("validation") == []          # not asked: none drawn

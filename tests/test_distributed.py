@@ -1,4 +1,4 @@
-"""Two ranks against one process (gspo.distributed): the same loss, gradient and update.
+"""Two ranks against one process (gspo.training.distributed): the same loss, gradient and update.
 
 The batch is split unevenly (P = 5 prompts on 2 ranks: 3 + 2 prompts, 9 + 6 responses of random
 lengths, some empty), so the ranks hold different numbers of sequences and response tokens, and
@@ -26,11 +26,12 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from gspo import distributed, objectives
-from gspo.advantages import group_advantages
-from gspo.distributed import Dist
-from gspo.isolation import masked_group_advantages
-from gspo.trainer import split_minibatches
+from gspo.training import distributed
+from gspo.core import objectives
+from gspo.core.advantages import group_advantages
+from gspo.training.distributed import Dist
+from gspo.rewards.isolation import masked_group_advantages
+from gspo.training.trainer import split_minibatches
 
 P, G, T, V, H = 5, 3, 6, 11, 4   # prompts, group size, response columns, vocabulary, features
 WORLD = 2
@@ -206,7 +207,7 @@ TRAINER_METRICS = ["policy/loss", "optim/grad_norm", "policy/clip_frac_tokens", 
 def _trainer_updates(run_dir: Path, strategy: str, optimized: bool) -> tuple:
     """Two ``Trainer.update`` calls on a fixed global batch (this rank's share of it)."""
     from gspo.config import load_config
-    from gspo.trainer import Trainer
+    from gspo.training.trainer import Trainer
     cfg = load_config(None, [*TRAIN, f"run.dir={run_dir}", f"dist.strategy={strategy}"])
     trainer = Trainer(cfg)
     trainer.setup()
@@ -242,10 +243,10 @@ def _trainer_worker(rank: int, world: int, port: int, root: str) -> None:
 
 @pytest.mark.slow
 def test_trainer_update_two_ranks_equals_one_process(tmp_path, monkeypatch):
-    from gspo import logprobs
-    from gspo.checkpoint import load_latest
-    from gspo.models import load_model
-    from gspo.trainer import Trainer
+    from gspo.core import logprobs
+    from gspo.training.checkpoint import load_latest
+    from gspo.models.presets import load_model
+    from gspo.training.trainer import Trainer
     _spawn(_trainer_worker, str(tmp_path))
     for strategy, optimized in (("ddp", True), ("fsdp", False)):
         if strategy == "fsdp":  # fsdp ranks run each prompt per row (no shared-prompt pass): so
@@ -306,7 +307,7 @@ def test_torchrun_train_then_resume_under_other_ranks_and_strategy(tmp_path, rew
     process: rank 0 alone logs, reports and checkpoints; the data cursor and steps carry over."""
     import json
     import os
-    from gspo.metrics import read_metrics
+    from gspo.observe.metrics import read_metrics
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(reward_dir), os.environ.get("PYTHONPATH", "")])}

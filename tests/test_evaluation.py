@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gspo.evaluation import EvalResult, evaluate, pass_at_k
-from gspo.rollout import SamplingParams, generate
+from gspo.rollout.evaluation import EvalResult, evaluate, pass_at_k
+from gspo.rollout.generate import SamplingParams, generate
 
 # ------------------------------------------------------------------------------- pass@k
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo.checkpoint import CheckpointError, checkpoint_dir, list_checkpoints, verify
+from gspo.training.checkpoint import CheckpointError, checkpoint_dir, list_checkpoints, verify
 from gspo.cli import main
 from gspo.config import dump_yaml
-from gspo.metrics import read_metrics
-from gspo.trainer import Trainer
+from gspo.observe.metrics import read_metrics
+from gspo.training.trainer import Trainer
 from conftest import parity_rewards
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -33,27 +33,27 @@ STEPS = 4
 # rename) or "metrics N" (half of the row of step N written, no newline).
 KILLER = r"""
 import json, os, signal, sys
-import gspo.checkpoint, gspo.metrics
+import gspo.training.checkpoint, gspo.observe.metrics
 from gspo.cli import main
 
 where, step = sys.argv[1], int(sys.argv[2])
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 if where == "checkpoint":
-    save_model = gspo.checkpoint.save_model
+    save_model = gspo.training.checkpoint.save_model
     def killing_save(model, tokenizer, path):
         save_model(model, tokenizer, path)
         if path.name == f".step_{step:06d}.tmp":
             die()
-    gspo.checkpoint.save_model = killing_save
+    gspo.training.checkpoint.save_model = killing_save
 elif where == "metrics":
-    write = gspo.metrics.MetricsWriter.write
+    write = gspo.observe.metrics.MetricsWriter.write
     def killing_write(self, row):
         if row["step"] == step:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(row)[:50])
             die()
         write(self, row)
-    gspo.metrics.MetricsWriter.write = killing_write
+    gspo.observe.metrics.MetricsWriter.write = killing_write
 sys.exit(main(sys.argv[3:]))
 """
 

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo import guard
+from gspo.training import stability as guard
 from gspo.cli import main
 from gspo.config import ConfigError, dump_yaml, load_config
-from gspo.guard import EXIT_PAUSED, GuardPause, Rule, read_events
-from gspo.metrics import read_metrics
-from gspo.models import load_model
-from gspo.optim import build_optimizer, build_scheduler
-from gspo.report import build_report
-from gspo.trainer import Trainer
+from gspo.training.stability import EXIT_PAUSED, GuardPause, Rule, read_events
+from gspo.observe.metrics import read_metrics
+from gspo.models.presets import load_model
+from gspo.training.optim import build_optimizer, build_scheduler
+from gspo.observe.report import build_report
+from gspo.training.trainer import Trainer
 
 
 def _parity(reward_module: str) -> str:

@@ -8,15 +8,15 @@ import threading
 import pytest
 import torch
 
-from gspo.advantages import group_advantages
+from gspo.core.advantages import group_advantages
 from gspo.cli import main
 from gspo.errors import RewardError
-from gspo.isolation import GuardedReward, GuardedTask, TimedCaller, advantages_with_drops
-from gspo.metrics import read_metrics
-from gspo.rewards import CombinedReward, FunctionReward
-from gspo.rollout import RolloutBatch
+from gspo.rewards.isolation import GuardedReward, GuardedTask, TimedCaller, advantages_with_drops
+from gspo.observe.metrics import read_metrics
+from gspo.rewards.sources import CombinedReward, FunctionReward
+from gspo.rollout.generate import RolloutBatch
 from gspo.tasks import Example
-from gspo.trainer import Trainer
+from gspo.training.trainer import Trainer
 
 FOREVER = threading.Event()  # never set: a hang that costs no CPU
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from gspo.logprobs import naive_response_logprobs, position_ids_from_mask, response_logprobs
+from gspo.core.logprobs import naive_response_logprobs, position_ids_from_mask, response_logprobs
 
 V, PAD = 97, 0
 PROMPT_LENS = [5, 3, 7]  # left-padded to P = 7
@@ -315,7 +315,7 @@ def test_trimmed_columns_equal_the_full_forward(any_model, shared):
 def test_trim_columns_reach():
     """The trimmed span: from the first column any row attends to, up to the last response token
     of any row, less that token's column."""
-    from gspo.logprobs import trim_columns
+    from gspo.core.logprobs import trim_columns
     ids, am, rm = _padded_batch()                 # 2 + 7 prompt columns, 6 + 3 response columns
     assert trim_columns(am, rm) == (2, 9 + 6 - 1, 6)
     assert trim_columns(am, torch.zeros_like(rm))[2] == 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gspo.models import (
+from gspo.models.presets import (
     CHARACTERS,
     available_presets,
     build_char_tokenizer,

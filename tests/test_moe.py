@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from gspo.logprobs import response_logprobs
-from gspo.models import build_model
-from gspo.moe import (
+from gspo.core.logprobs import response_logprobs
+from gspo.models.presets import build_model
+from gspo.models.moe import (
     capture_routing,
     expert_load,
     load_imbalance,
@@ -21,7 +21,7 @@ from gspo.moe import (
     routing_metrics,
     supports_moe,
 )
-from gspo.rollout import SamplingParams, generate
+from gspo.rollout.generate import SamplingParams, generate
 from gspo.tasks import Example
 
 PROMPTS = ["12+7=", "3*4-1=", "hello 9"]  # left-padded to Lp = 8 with <bos>

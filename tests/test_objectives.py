@@ -1,4 +1,4 @@
-"""Tests for gspo.objectives: hand-derived values, closed-form gradients (GSPO paper Eq. 10, 11, 17),
+"""Tests for gspo.core.objectives: hand-derived values, closed-form gradients (GSPO paper Eq. 10, 11, 17),
 padding / split invariance, clip statistics, aggregation modes and the registry."""
 
 import math
@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from gspo import objectives
-from gspo.objectives import AGGREGATIONS, aggregate, kl_k3, masked_mean
+from gspo.core import objectives
+from gspo.core.objectives import AGGREGATIONS, aggregate, kl_k3, masked_mean
 
 F64 = torch.float64
 NAMES = ["cispo", "gmpo", "grpo", "gspo", "gspo_token", "ppo", "sapo"]

@@ -1,4 +1,4 @@
-"""The update plan (gspo.plan) and what the trainer saves with it: the on-policy first minibatch
+"""The update plan (gspo.core.plan) and what the trainer saves with it: the on-policy first minibatch
 reuses its own log-probs as π_old, rows without signal skip their forward/backward, and both give
 the update of the plain path (every row, a separate π_old pass). Plus the time breakdown."""
 
@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-from gspo import moe, objectives
-from gspo.advantages import group_advantages
-from gspo.plan import live_rows, plan_update
-from gspo.report import build_report
-from gspo.timing import PARTS, StepTimer, breakdown
-from gspo.trainer import Trainer
+from gspo.models import moe
+from gspo.core import objectives
+from gspo.core.advantages import group_advantages
+from gspo.core.plan import live_rows, plan_update
+from gspo.observe.report import build_report
+from gspo.observe.timing import PARTS, StepTimer, breakdown
+from gspo.training.trainer import Trainer
 
 
 def _parity(reward_module: str) -> str:
@@ -170,7 +171,7 @@ def test_timer_sums_sections_and_breakdown_fills_other():
 def test_run_logs_the_breakdown_and_reports_it(make_cfg, reward_module):
     cfg = make_cfg("sft.enabled=false", _parity(reward_module), "train.steps=3")
     Trainer(cfg, log=lambda m: None).run()
-    from gspo.metrics import read_metrics
+    from gspo.observe.metrics import read_metrics
     rows = [r for r in read_metrics(cfg.run.dir) if "time/step_s" in r]
     assert len(rows) == 3
     for row in rows:

@@ -6,14 +6,14 @@ from collections import namedtuple
 
 import pytest
 
-from gspo import preflight
+from gspo.tools import preflight
 from gspo.cli import main
 
 
 @pytest.fixture(autouse=True)
 def _no_model(monkeypatch):
     """Any model built during these tests fails them (logging is restored by conftest)."""
-    from gspo import trainer
+    from gspo.training import trainer
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the input was checked")
@@ -172,7 +172,7 @@ def test_resume_of_a_folder_that_is_not_a_run(capsys, tmp_path):
 
 def test_checkpoint_size_estimate_of_a_preset():
     from gspo.config import load_config
-    from gspo.models import build_model
+    from gspo.models.presets import build_model
     model, _ = build_model("tiny-dense", 0)
     n = sum(p.numel() for p in model.parameters())
     assert preflight.checkpoint_bytes(load_config()) == 3 * 4 * n          # weights + 2 AdamW moments

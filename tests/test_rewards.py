@@ -1,4 +1,4 @@
-"""Tests for gspo.rewards: sources, weighted combination, the config factory, a tiny reward model."""
+"""Tests for gspo.rewards.sources: sources, weighted combination, the config factory, a tiny reward model."""
 
 import math
 import sys
@@ -6,8 +6,9 @@ import sys
 import pytest
 import torch
 
-from gspo import rewards, tasks
-from gspo.rewards import CombinedReward, FunctionReward, ModelReward, RewardSource, VerifierReward, build_rewards
+from gspo.rewards import sources as rewards
+from gspo import tasks
+from gspo.rewards.sources import CombinedReward, FunctionReward, ModelReward, RewardSource, VerifierReward, build_rewards
 from gspo.tasks import Example
 
 EXAMPLES = [Example("37+45=", "82", {"target": 82}), Example("9-4=", "5", {"target": 5})]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from gspo.logprobs import response_logprobs
-from gspo.models import build_model
-from gspo.rollout import (
+from gspo.core.logprobs import response_logprobs
+from gspo.models.presets import build_model
+from gspo.rollout.generate import (
     RolloutBatch,
     SamplingParams,
     demonstration_batch,

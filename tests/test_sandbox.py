@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from gspo.errors import RewardFault
-from gspo.sandbox import Limits, SandboxedFunction
+from gspo.rewards.sandbox import Limits, SandboxedFunction
 
 MODULE = "gspo_sandbox_probe"
 
@@ -92,8 +92,8 @@ def test_import_errors_are_configuration_errors(probe):
 
 
 def test_reward_sandbox_config_routes_function_rewards(make_cfg, probe):
-    from gspo.data import build_task
-    from gspo.rewards import build_rewards
+    from gspo.rollout.data import build_task
+    from gspo.rewards.sources import build_rewards
     from gspo.tasks import Example
     cfg = make_cfg(f"rewards=[{{type: function, fn: '{MODULE}:length'}}]", "reward.sandbox=true",
                    "reward.on_error=zero")
@@ -105,7 +105,7 @@ def test_reward_sandbox_config_routes_function_rewards(make_cfg, probe):
 
 
 def test_custom_task_reward_in_the_sandbox(make_cfg, probe, tmp_path):
-    from gspo.data import build_task
+    from gspo.rollout.data import build_task
     (tmp_path / "train.jsonl").write_text('{"prompt": "1=", "answer": "1", "bonus": 10}\n')
     (tmp_path / "test.jsonl").write_text('{"prompt": "2=", "answer": "2", "bonus": 20}\n')
     cfg = make_cfg("task.name=custom", f"task.train_file={tmp_path / 'train.jsonl'}",

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo import trainer as trainer_module
-from gspo.advantages import group_advantages
+from gspo.training import trainer as trainer_module
+from gspo.core.advantages import group_advantages
 from gspo.config import load_config
-from gspo.metrics import read_metrics
-from gspo.models import load_model
-from gspo.report import build_report
-from gspo.trainer import DataCursor, Trainer, initial_policy, split_minibatches
+from gspo.observe.metrics import read_metrics
+from gspo.models.presets import load_model
+from gspo.observe.report import build_report
+from gspo.training.trainer import DataCursor, Trainer, initial_policy, split_minibatches
 from conftest import parity_rewards
 
 STEP_KEYS = [

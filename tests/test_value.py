@@ -1,12 +1,12 @@
-"""Tests for gspo.value: the clipped value loss by hand, explained variance, the critic model."""
+"""Tests for gspo.core.value: the clipped value loss by hand, explained variance, the critic model."""
 
 import pytest
 import torch
 
-from gspo.logprobs import response_logprobs
-from gspo.rollout import demonstration_batch
+from gspo.core.logprobs import response_logprobs
+from gspo.rollout.generate import demonstration_batch
 from gspo.tasks import Example
-from gspo.value import Critic, explained_variance, value_loss
+from gspo.core.value import Critic, explained_variance, value_loss
 
 
 def test_value_loss_clipped_by_hand():

@@ -1,7 +1,7 @@
 """Command line: ``gspo train | sft | eval | report | audit | compare``. Thin over the library.
 
 User errors (config, data, unknown names, missing files, unwritable output) are found in a
-preflight phase (``gspo.preflight``), before any model is built: one line, exit 2. Inside
+preflight phase (``gspo.tools.preflight``), before any model is built: one line, exit 2. Inside
 training only ``UserError``s (a failing reward under ``reward.on_error=fail``) are one line;
 anything else is a bug and keeps its traceback. SIGINT / SIGTERM save a checkpoint and exit
 128 + signal (130 / 143). Exit codes: docs/reliability.md.
@@ -22,7 +22,7 @@ def _user_errors():
     """Errors that are the user's to fix wherever raised (ConfigError, TaskDataError, RewardError
     are UserErrors); a ValueError or OSError is one only inside ``user_input()`` (preflight)."""
     try:
-        from gspo.audit import AuditError
+        from gspo.tools.audit import AuditError
     except ImportError:  # never let the error path itself fail
         return (UserError,)
     return (UserError, AuditError)
@@ -53,12 +53,12 @@ def _split_config_and_overrides(args) -> None:
 
 # --------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
-    from gspo import distributed
-    from gspo.guard import GuardPause
-    from gspo.preflight import check_rewards, check_train, user_input
-    from gspo.report import build_report
-    from gspo.signals import GracefulStop
-    from gspo.trainer import Trainer
+    from gspo.training import distributed
+    from gspo.training.stability import GuardPause
+    from gspo.tools.preflight import check_rewards, check_train, user_input
+    from gspo.observe.report import build_report
+    from gspo.training.signals import GracefulStop
+    from gspo.training.trainer import Trainer
     with user_input():  # preflight: config, files, output folder, data, rewards; no model yet
         if args.resume:
             run_cfg = Path(args.resume) / "config.yaml"
@@ -96,9 +96,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    from gspo.models import save_model
-    from gspo.preflight import check_files, check_model, user_input
-    from gspo.trainer import build_task, initial_policy
+    from gspo.models.presets import save_model
+    from gspo.tools.preflight import check_files, check_model, user_input
+    from gspo.training.trainer import build_task, initial_policy
     with user_input():
         cfg = _config(args)
         check_files(cfg)
@@ -113,11 +113,11 @@ def cmd_sft(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from gspo.evaluation import evaluate
-    from gspo.models import load_model
-    from gspo.preflight import check_checkpoint, user_input
-    from gspo.data import eval_examples
-    from gspo.trainer import DTYPES, build_task, resolve_device
+    from gspo.rollout.evaluation import evaluate
+    from gspo.models.presets import load_model
+    from gspo.tools.preflight import check_checkpoint, user_input
+    from gspo.rollout.data import eval_examples
+    from gspo.training.trainer import DTYPES, build_task, resolve_device
     with user_input():
         cfg = _config(args)
         check_checkpoint("--checkpoint", args.checkpoint)
@@ -134,8 +134,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from gspo.compare import run_suite
-    from gspo.preflight import user_input
+    from gspo.tools.compare import run_suite
+    from gspo.tools.preflight import user_input
     with user_input():
         if not Path(args.suite).is_file():
             raise UserError(f"{args.suite}: no such suite file")
@@ -149,7 +149,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from gspo.audit import EXIT_MISMATCH, Tolerances, run_audit
+    from gspo.tools.audit import EXIT_MISMATCH, Tolerances, run_audit
     if not Path(args.run_dir).is_dir():
         raise UserError(f"{args.run_dir}: no such run folder")
     tol = Tolerances(logp=args.tol, ratio=args.tol) if args.tol is not None else Tolerances()
@@ -157,8 +157,8 @@ def cmd_audit(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from gspo.report import build_report
-    from gspo.preflight import user_input
+    from gspo.observe.report import build_report
+    from gspo.tools.preflight import user_input
     if not Path(args.run_dir).is_dir():
         raise UserError(f"{args.run_dir}: no such run folder")
     with user_input():  # reads only the user's run folder

@@ -72,7 +72,7 @@ class ModelConfig(Section):
     @field_validator("preset")
     @classmethod
     def _preset(cls, name: str) -> str:
-        from gspo.models import available_presets
+        from gspo.models.presets import available_presets
         return one_of("model preset", name, available_presets())
 
 
@@ -118,7 +118,7 @@ class RewardSpec(Section):
     @field_validator("type")
     @classmethod
     def _type(cls, name: str) -> str:
-        from gspo.rewards import source_types
+        from gspo.rewards.sources import source_types
         return one_of("reward type", name, source_types())
 
     @model_validator(mode="after")
@@ -163,7 +163,7 @@ class RolloutConfig(Section):
 
 class ObjectiveConfig(Section):
     name: str = "gspo"
-    """Policy loss from the registry (gspo.objectives.available()), with group-relative advantages; or a baseline (gspo.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget)."""
+    """Policy loss from the registry (gspo.core.objectives.available()), with group-relative advantages; or a baseline (gspo.training.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget)."""
     eps_low: float | None = Field(None, gt=0)
     """Lower clip range (None: the objective's paper default; GSPO 3e-4)."""
     eps_high: float | None = Field(None, gt=0)
@@ -177,13 +177,13 @@ class ObjectiveConfig(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        from gspo import algorithms
+        from gspo.training import algorithms
         return one_of("objective", name, algorithms.names())
 
     @field_validator("params")
     @classmethod
     def _params(cls, params: dict, info) -> dict:
-        from gspo import objectives
+        from gspo.core import objectives
         name = info.data.get("name")
         if name is None:  # the name itself failed
             return params
@@ -269,7 +269,7 @@ GuardAction = Literal["warn", "skip", "pause", "rollback"]
 
 class GuardRule(Section):
     kind: str
-    """Rule kind (gspo.guard.available()): nan | clip_frac | approx_kl | kl_ref | grad_norm | entropy | reward_drop | moe_imbalance | metric."""
+    """Rule kind (gspo.training.stability.available()): nan | clip_frac | approx_kl | kl_ref | grad_norm | entropy | reward_drop | moe_imbalance | metric."""
     threshold: float | None = None
     """The limit (every kind but nan): the metric above it fires (below it for entropy; reward_drop: the drop below the moving average)."""
     action: GuardAction = "warn"
@@ -285,7 +285,7 @@ class GuardRule(Section):
 
     @model_validator(mode="after")
     def _kind(self) -> "GuardRule":
-        from gspo.guard import check_rule
+        from gspo.training.stability import check_rule
         check_rule(self)
         return self
 

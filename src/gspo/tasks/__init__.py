@@ -4,7 +4,7 @@
 `Example(prompt, answer, data)` (disjoint by prompt) and a verifier (`reward`, `is_correct`).
 Prompts and answers are short plain ASCII, sized for tiny character-level models. Built in:
 `arithmetic`, `multistep`, `countdown`, `custom` (JSONL + a user reward function). A new task is
-a class with those methods under `@register("name")`. Reward composition lives in `gspo.rewards`.
+a class with those methods under `@register("name")`. Reward composition lives in `gspo.rewards.sources`.
 """
 
 from gspo.tasks.base import (

@@ -6,8 +6,8 @@ string `answer` (the SFT demonstration); every other column goes to `Example.dat
 `fn(completion, **row)` with `row` = all columns, prompt and answer included; `is_correct` is
 `reward >= correct_threshold`. Bad data raises `TaskDataError` naming file and line, or with
 `on_error="skip"` is left out and listed in `skipped` ("file:line: reason"). With `sandbox`, the
-function runs in a limited worker process (`gspo.sandbox`) and is never imported here. Timeouts
-and error policies are the reward layer's business (`gspo.isolation`).
+function runs in a limited worker process (`gspo.rewards.sandbox`) and is never imported here. Timeouts
+and error policies are the reward layer's business (`gspo.rewards.isolation`).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Custom:
         reward: "module:function", called as fn(completion, **row) -> float.
         correct_threshold: a completion counts as correct when its reward is >= this.
         on_error: a bad row fails (TaskDataError) or is skipped (listed in `skipped`).
-        sandbox: None (import and call in-process) or gspo.sandbox.Limits fields (a worker process).
+        sandbox: None (import and call in-process) or gspo.rewards.sandbox.Limits fields (a worker process).
         """
         self._splits, self.locations, self.skipped = {"validation": []}, {"validation": []}, []
         files = {"train": train_file, "test": test_file, "validation": validation_file}
@@ -127,7 +127,7 @@ class Custom:
             warnings.warn(f"custom task: {len(overlap)} prompt(s) appear in both {train_file} and {test_file}")
         self.reward_spec = reward
         if sandbox is not None:
-            from gspo.sandbox import Limits, SandboxedFunction
+            from gspo.rewards.sandbox import Limits, SandboxedFunction
             self._fn = SandboxedFunction(reward, Limits(**sandbox))
         else:
             try:

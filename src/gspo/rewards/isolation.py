@@ -17,7 +17,7 @@ Either way the number of failed samples is logged per step as ``reward/errors``.
 Timeouts run the call in a worker thread; a call still running after the timeout is abandoned
 (Python cannot kill a thread) and a fresh worker takes the next call. At most ``reward.max_hung``
 such threads are tolerated per run. Code that can hang or that executes model output belongs in
-``reward.sandbox`` (``gspo.sandbox``: a killable, limited process). This module does not decide
+``reward.sandbox`` (``gspo.rewards.sandbox``: a killable, limited process). This module does not decide
 what a reward means, and never retries.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gspo.advantages import group_advantages
+from gspo.core.advantages import group_advantages
 from gspo.errors import RewardError, RewardFault
 from gspo.tasks.base import reward_value
 
@@ -193,7 +193,7 @@ class GuardedReward:
         return {s.name: w for s, w in self.sources}
 
     def __call__(self, completions: list[str], examples: list):
-        from gspo.rewards import RewardResult
+        from gspo.rewards.sources import RewardResult
         n = len(completions)
         if len(examples) != n:
             raise ValueError(f"got {n} completions but {len(examples)} examples")

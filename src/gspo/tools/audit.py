@@ -33,9 +33,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from gspo import objectives
-from gspo.isolation import masked_group_advantages
-from gspo.models import save_model
+from gspo.core import objectives
+from gspo.rewards.isolation import masked_group_advantages
+from gspo.models.presets import save_model
 
 FORMAT = 1
 AUDIT_DIR = "audit"
@@ -314,8 +314,8 @@ def _load_record(path: Path) -> tuple[dict, dict]:
 
 
 def _logprobs(model, t: dict, meta: dict, temperature: float) -> Tensor:
-    from gspo import moe
-    from gspo.logprobs import response_logprobs
+    from gspo.models import moe
+    from gspo.core.logprobs import response_logprobs
     replay = meta["moe"].get("routing_replay", "none") != "none" and "routing" in t
     import contextlib
     ctx = moe.replay_routing(model, t["routing"]) if replay else contextlib.nullcontext()
@@ -336,8 +336,8 @@ class Recomputed:
 def audit_step(run_dir: Path, step: int, tol: Tolerances, cfg=None) -> tuple[list[Check], dict]:
     """All checks of one recorded step: inputs, log-probs, then the objective's arithmetic."""
     from gspo.config import load_config
-    from gspo.models import load_model
-    from gspo.trainer import DTYPES
+    from gspo.models.presets import load_model
+    from gspo.training.trainer import DTYPES
     path = record_dir(run_dir, step)
     meta, t = _load_record(path)
     cfg = cfg or load_config(run_dir / "config.yaml")
@@ -371,7 +371,7 @@ def _config_check(cfg, meta: dict) -> Check:
 
 def _input_checks(cfg, meta: dict, t: dict, r: Recomputed, tol: Tolerances) -> list[Check]:
     """Masks, completions, rewards and advantages: what the loss was fed besides log-probs."""
-    from gspo.rollout import decode
+    from gspo.rollout.generate import decode
     T = t["response_mask"].shape[1]
     response_ids = t["input_ids"][:, -T:]
     problems = mask_problems(response_ids, t["response_mask"], t["attention_mask"][:, -T:],
@@ -461,9 +461,9 @@ def _objective_checks(meta: dict, t: dict, r: Recomputed, tol: Tolerances) -> li
 
 
 def _rescore(cfg, meta, completions, rewards, tol) -> Check:
-    from gspo.rewards import build_rewards
+    from gspo.rewards.sources import build_rewards
     from gspo.tasks import Example
-    from gspo.trainer import build_task
+    from gspo.training.trainer import build_task
     try:
         task = build_task(cfg)
         scorer = build_rewards([r.model_dump() for r in cfg.rewards], task)
@@ -475,7 +475,7 @@ def _rescore(cfg, meta, completions, rewards, tol) -> Check:
 
 
 def _regenerate(model, tokenizer, meta, t) -> Check:
-    from gspo.rollout import SamplingParams, generate
+    from gspo.rollout.generate import SamplingParams, generate
     from gspo.tasks import Example
     seeds = meta["seeds"]
     if seeds["dynamic_sampling"] or seeds["refill_rounds"]:

@@ -352,7 +352,7 @@ def ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     ℓ_t = −min(r_t Â_t, clip(r_t, 1−ε, 1+ε) Â_t),  r_t = π_θ(y_t) / π_old(y_t)   (PPO Eq. 7)
     The same math as `grpo` (one implementation, reused); only the defaults differ: symmetric
     ε = 0.2 (PPO §6) and token-mean, every response token weighted alike (TRL PPOTrainer).
-    advantages: [N, T] (GAE, gspo.advantages.gae) or [N].
+    advantages: [N, T] (GAE, gspo.core.advantages.gae) or [N].
     """
     return grpo(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
                 aggregation=aggregation, num_seqs=num_seqs, num_tokens=num_tokens,

@@ -291,7 +291,7 @@ def set_lr_multiplier(optimizer, scheduler, base_lrs: list[float], multiplier: f
 
 def last_good_checkpoint(run_dir: Path, warn=print):
     """The newest checkpoint that verifies and was saved by a step that passed the guard."""
-    from gspo.checkpoint import load_latest
+    from gspo.training.checkpoint import load_latest
     return load_latest(run_dir, warn, accept=lambda state: state.get("guard", {}).get("passed", True),
                        who="guard")
 
@@ -440,7 +440,7 @@ class Guard:
     # ------------------------------------------------------------------ records
     @staticmethod
     def event(run_dir, event: str, **fields) -> None:
-        from gspo.distributed import is_main
+        from gspo.training.distributed import is_main
         if not is_main():  # under torchrun rank 0 writes the events
             return
         record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event, **fields}

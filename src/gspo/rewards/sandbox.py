@@ -7,7 +7,7 @@ user function that runs generated code (``exec``, ``subprocess``, a Python inter
 be configured with ``reward.sandbox: true``; it then runs here.
 
 ``SandboxedFunction("module:function", limits)`` is called like the function,
-``fn(completion, **row)``. One worker process (``python -m gspo.sandbox``) imports the function
+``fn(completion, **row)``. One worker process (``python -m gspo.rewards.sandbox``) imports the function
 once and serves calls over JSON lines on stdin/stdout: nothing is pickled either way. Per call:
 
 * wall clock: the parent waits ``wall_s``, then kills the worker's process group and starts a
@@ -97,7 +97,7 @@ class SandboxedFunction:
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         config = json.dumps({"spec": self.spec, **asdict(self.limits)})
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gspo.sandbox", config], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "gspo.rewards.sandbox", config], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
         self._buf = b""
         try:

@@ -13,7 +13,7 @@ listed in ``task.data_report`` (logged, and written to summary.json under ``data
 empty is an error either way. JSONL parse errors (bad JSON, missing or empty prompt, wrong types)
 are found by ``tasks.custom`` under the same policy and land in the same report.
 
-The returned task also guards ``reward`` / ``is_correct`` (``gspo.isolation.GuardedTask``).
+The returned task also guards ``reward`` / ``is_correct`` (``gspo.rewards.isolation.GuardedTask``).
 This module reads and checks data; it does not generate or transform it.
 """
 
@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict
 
 from gspo.errors import UserError
-from gspo.isolation import GuardedTask
+from gspo.rewards.isolation import GuardedTask
 from gspo.tasks import Example, TaskDataError
 from gspo.tasks.base import SPLITS, pick_split
 
@@ -38,7 +38,7 @@ def tokenizer_and_context(cfg):
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
         config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     else:
-        from gspo.models import build_char_tokenizer, preset_config
+        from gspo.models.presets import build_char_tokenizer, preset_config
         tokenizer = build_char_tokenizer()
         config = preset_config(cfg.model.preset, len(tokenizer), cfg.model.overrides)
     return tokenizer, getattr(config, "max_position_embeddings", None)
@@ -163,7 +163,7 @@ def build_task(cfg) -> CheckedTask:
     if t.name == "custom":
         sandbox = None
         if cfg.reward.sandbox:
-            from gspo.rewards import sandbox_limits
+            from gspo.rewards.sources import sandbox_limits
             sandbox = asdict(sandbox_limits(cfg.reward))
         task = tasks.build("custom", train_file=t.train_file, test_file=t.test_file,
                            validation_file=t.validation_file,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gspo.isolation import correct_all
-from gspo.rollout import SamplingParams, generate
+from gspo.rewards.isolation import correct_all
+from gspo.rollout.generate import SamplingParams, generate
 from gspo.tasks import Example, Task
 
 

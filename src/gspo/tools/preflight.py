@@ -76,7 +76,7 @@ def _model_config(cfg):
     if cfg.model.path:
         from transformers import AutoConfig
         return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
-    from gspo.models import build_char_tokenizer, preset_config
+    from gspo.models.presets import build_char_tokenizer, preset_config
     return preset_config(cfg.model.preset, len(build_char_tokenizer()), cfg.model.overrides)
 
 
@@ -85,7 +85,7 @@ def check_model(cfg) -> None:
     with user_input():
         config = _model_config(cfg)
     if cfg.moe.routing_replay != "none" or cfg.moe.aux_loss_coef > 0:
-        from gspo.moe import ROUTER_CLASSES
+        from gspo.models.moe import ROUTER_CLASSES
         if config.model_type not in ROUTER_CLASSES:
             key = "moe.routing_replay" if cfg.moe.routing_replay != "none" else "moe.aux_loss_coef"
             raise UserError(f"{key}: needs a Mixture-of-Experts model; model type "
@@ -173,7 +173,7 @@ def check_rewards(rewards, examples: list) -> None:
     """Score the first training demonstrations with every reward source: one that fails on all
     of them (a wrong signature, a missing column...), or on any under ``reward.on_error=fail``,
     is reported now instead of failing mid-run or silently scoring every sample 0."""
-    from gspo.isolation import GuardedSource
+    from gspo.rewards.isolation import GuardedSource
     probe = examples[:PROBES]
     for source, _ in getattr(rewards, "sources", []):
         if not isinstance(source, GuardedSource) or not probe:

@@ -3,20 +3,20 @@
 The trainer runs every step the same way (rollouts, rewards, then an update) and asks its
 ``Algorithm`` only for what differs:
 
-* ``GroupRelative`` (every objective of ``gspo.objectives``: gspo, grpo, sapo, …): group-relative
+* ``GroupRelative`` (every objective of ``gspo.core.objectives``: gspo, grpo, sapo, …): group-relative
   advantages Â_i (GSPO Eq. 6); nothing else trains.
-* ``PPO`` (``ppo``): a critic (``gspo.value.Critic``, initialised from the policy), per-token GAE
-  with the sequence reward on the last response token (``gspo.advantages.gae``), optional KL
+* ``PPO`` (``ppo``): a critic (``gspo.core.value.Critic``, initialised from the policy), per-token GAE
+  with the sequence reward on the last response token (``gspo.core.advantages.gae``), optional KL
   penalty in the reward, whitened advantages for the ``ppo`` objective, and after the policy's
   update M minibatch updates of the critic with the clipped value loss.
-* ``SFTBaseline`` (``sft``): no policy-gradient update; M AdamW steps of ``gspo.sft.sft_loss`` on
+* ``SFTBaseline`` (``sft``): no policy-gradient update; M AdamW steps of ``gspo.training.cold_start.sft_loss`` on
   demonstrations whose tokens match the step's rollout batch (the "no RL" baseline).
 
 The interface (``Algorithm``) is what the trainer calls: ``setup`` once the policy exists,
 ``advantages`` on each rollout batch, ``update`` after the policy's update (or instead of it when
 ``objective`` is None), ``state_dict`` / ``save`` / ``load`` for checkpoints. Rationale, defaults
-and measured results: docs/baselines.md. This module is not the loop (``gspo.trainer``) and holds
-no math of its own (``gspo.advantages``, ``gspo.value``, ``gspo.objectives``, ``gspo.sft``).
+and measured results: docs/baselines.md. This module is not the loop (``gspo.training.trainer``) and holds
+no math of its own (``gspo.core.advantages``, ``gspo.core.value``, ``gspo.core.objectives``, ``gspo.training.cold_start``).
 Shapes: N sequences, T response positions, M minibatches.
 """
 
@@ -30,13 +30,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from gspo import objectives
-from gspo.advantages import gae, whiten
-from gspo.isolation import advantages_with_drops
-from gspo.optim import build_optimizer, build_scheduler, clipped_step
-from gspo.rollout import RolloutBatch, demonstration_batch
-from gspo.sft import sft_loss
-from gspo.value import Critic, explained_variance, value_loss
+from gspo.core import objectives
+from gspo.core.advantages import gae, whiten
+from gspo.rewards.isolation import advantages_with_drops
+from gspo.training.optim import build_optimizer, build_scheduler, clipped_step
+from gspo.rollout.generate import RolloutBatch, demonstration_batch
+from gspo.training.cold_start import sft_loss
+from gspo.core.value import Critic, explained_variance, value_loss
 
 __all__ = ["Algorithm", "GroupRelative", "PPO", "SFTBaseline", "get", "names", "terminal_rewards"]
 
@@ -167,7 +167,7 @@ class PPO:
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         """M minibatch steps of the clipped value loss on this batch (the policy's split)."""
-        from gspo.trainer import split_minibatches
+        from gspo.training.trainer import split_minibatches
         t, cfg, pend = self.trainer, self.cfg, self._pending
         values, returns, mask = pend["values"], pend["returns"], pend["mask"]
         gen = torch.Generator().manual_seed(t.minibatch_seed(step))
@@ -223,7 +223,7 @@ class SFTBaseline:
         self._lengths: dict[int, int] = {}
 
     def setup(self, trainer) -> None:
-        from gspo.trainer import DataCursor
+        from gspo.training.trainer import DataCursor
         _single_process(trainer, "sft")
         self.trainer = trainer
         self.cursor = DataCursor(len(trainer.train_set), self.cfg.seed + 1)  # not the prompts' order

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gspo import checkpoint
-from gspo.logprobs import _decoder_and_head, response_logprobs
+from gspo.training import checkpoint
+from gspo.core.logprobs import _decoder_and_head, response_logprobs
 
 STRATEGIES = ("ddp", "fsdp")
 RANK_SEED_STRIDE = 1 << 40
@@ -242,7 +242,7 @@ class Dist:
         """advantage.scale=batch: the std spans the rewards of every rank (``local`` in one process)."""
         if not self.enabled:
             return local
-        from gspo.isolation import masked_group_advantages
+        from gspo.rewards.isolation import masked_group_advantages
         sizes = self.sizes(len(rewards))
         padded = torch.full((max(sizes),), float("nan"), device=self.device)
         padded[:len(rewards)] = rewards.to(self.device, torch.float32)

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from gspo.models import save_model
+from gspo.models.presets import save_model
 
 STATE_FILE = "trainer_state.json"
 CHECKSUM_FILE = "checksums.json"
@@ -56,8 +56,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer,
     """Atomically write the checkpoint of ``step`` and prune old ones (keeping ``keep``).
 
     ``model_state`` / ``optimizer_state`` replace the model's and optimizer's own state dicts
-    (full states gathered from FSDP shards, gspo.distributed). ``extra(folder)`` (optional) writes
-    more files into the folder before it is checksummed (PPO's critic, gspo.algorithms)."""
+    (full states gathered from FSDP shards, gspo.training.distributed). ``extra(folder)`` (optional) writes
+    more files into the folder before it is checksummed (PPO's critic, gspo.training.algorithms)."""
     check_finite(model, step, model_state)
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gspo.logprobs import position_ids_from_mask
+from gspo.core.logprobs import position_ids_from_mask
 from gspo.tasks import Example
 
 
@@ -121,7 +121,7 @@ def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, example
     out = model.generate(**enc, **cache, **params.generate_kwargs(), use_cache=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          return_dict_in_generate=True, output_logits=with_logprobs,
-                         synced_gpus=False)  # FSDP: weights are gathered first (gspo.distributed)
+                         synced_gpus=False)  # FSDP: weights are gathered first (gspo.training.distributed)
     model.train(was_training)
     prompt_len = enc["input_ids"].shape[1]
     response_ids = out.sequences[:, prompt_len:]                                  # [N, T]

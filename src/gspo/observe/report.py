@@ -14,10 +14,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from gspo.diagnostics import plot_length_slices  # noqa: E402
-from gspo.guard import event_table, read_events  # noqa: E402
-from gspo.metrics import read_metrics  # noqa: E402
-from gspo.timing import PARTS  # noqa: E402
+from gspo.observe.diagnostics import plot_length_slices  # noqa: E402
+from gspo.training.stability import event_table, read_events  # noqa: E402
+from gspo.observe.metrics import read_metrics  # noqa: E402
+from gspo.observe.timing import PARTS  # noqa: E402
 
 # (metric key, title); a panel is drawn only when the run logged that metric.
 PANELS = [

@@ -62,7 +62,7 @@ class MetricsWriter:
 
 
 class NullWriter:
-    """The sink of ranks other than 0 under torchrun: rank 0 alone writes (gspo.distributed)."""
+    """The sink of ranks other than 0 under torchrun: rank 0 alone writes (gspo.training.distributed)."""
 
     def truncate_after(self, step: int) -> None:
         pass

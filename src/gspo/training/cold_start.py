@@ -19,10 +19,10 @@ import torch
 from tqdm.auto import tqdm
 
 from gspo.config import SFTConfig, config_hash
-from gspo.logprobs import response_logprobs
-from gspo.models import save_model
-from gspo.optim import build_optimizer, build_scheduler
-from gspo.rollout import demonstration_batch
+from gspo.core.logprobs import response_logprobs
+from gspo.models.presets import save_model
+from gspo.training.optim import build_optimizer, build_scheduler
+from gspo.rollout.generate import demonstration_batch
 from gspo.tasks import Example
 
 DONE_FILE = "sft.json"

@@ -32,7 +32,7 @@ from pydantic import Field
 
 from gspo.config import ConfigError, Section, TrainConfig, load_config, read_yaml
 from gspo.errors import UserError
-from gspo.metrics import read_metrics
+from gspo.observe.metrics import read_metrics
 
 # --------------------------------------------------------------------------------- suite format
 
@@ -150,7 +150,7 @@ def _command(kind: str, config_file: Path) -> list[str]:
 
 
 def _cold_start_key(cfg: TrainConfig) -> str | None:
-    from gspo.sft import cache_key, cached_checkpoint
+    from gspo.training.cold_start import cache_key, cached_checkpoint
     if cfg.model.path or not cfg.sft.enabled or cfg.sft.steps == 0:
         return None
     key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)
@@ -167,7 +167,7 @@ def train_all(runs: dict[str, TrainConfig], jobs: int, log: Callable[[str], None
     cache lacks are trained first, once per cache key, so that two workers never train the same
     one at once.
     """
-    from gspo.trainer import Trainer
+    from gspo.training.trainer import Trainer
     todo = {}
     for label, cfg in runs.items():
         if _finished(cfg):
@@ -254,7 +254,7 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
               log: Callable[[str], None] | None = None) -> Path:
     """Tune (validation split), train every variant x seed (reusing finished runs), then write
     results and report."""
-    from gspo.compare_report import write_report
+    from gspo.tools.compare_report import write_report
     log = log or (lambda m: print(m, file=sys.stderr))
     suite_file = Path(suite_file)
     suite = load_suite(suite_file)

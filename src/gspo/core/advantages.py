@@ -6,7 +6,7 @@ response is judged against its own group, never against the whole batch (see see
 Groups are never split across ranks, so this runs locally on each rank.
 
 GAE (`gae`) is a pure function of per-token rewards, critic values and the response mask; the
-critic itself, its loss and where rewards are placed live in `gspo.value` / `gspo.algorithms`.
+critic itself, its loss and where rewards are placed live in `gspo.core.value` / `gspo.training.algorithms`.
 
 This module deliberately is not: reward computation, filtering of zero-variance groups (the
 trainer's `dynamic_sampling`), or a value model.

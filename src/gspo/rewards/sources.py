@@ -4,7 +4,7 @@ A `RewardSource` maps (completions, examples) to one float per completion. `Comb
 sums weighted sources into `RewardResult(total [N], per_source {name: [N]})`, the per-source
 values unweighted so they can be logged as `reward/<name>`. `build_rewards(specs, task)` builds
 one from config dicts through a registry of source types; given the `reward:` policy it returns a
-`gspo.isolation.GuardedReward` (per-sample timeouts, error policy, optional sandbox). This module
+`gspo.rewards.isolation.GuardedReward` (per-sample timeouts, error policy, optional sandbox). This module
 does not normalise rewards (advantages do that).
 """
 
@@ -210,7 +210,7 @@ def build_rewards(specs: list[dict], task: Task | None = None, policy=None):
     """Build a `CombinedReward` from dicts like `{"type": "function", "fn": "m:f", "weight": 0.5}`.
 
     `policy` (config `reward:`, a `RewardPolicy`): wrap it in a `GuardedReward`; with
-    `policy.sandbox`, function sources run in `gspo.sandbox` and are never imported here.
+    `policy.sandbox`, function sources run in `gspo.rewards.sandbox` and are never imported here.
     """
     sources = []
     for i, spec in enumerate(specs):
@@ -222,7 +222,7 @@ def build_rewards(specs: list[dict], task: Task | None = None, policy=None):
         call_kwargs(builder, spec, what=f"rewards[{i}] (type {kind!r})", args=(task,))
         try:
             if kind == "function" and policy is not None and policy.sandbox:
-                from gspo.sandbox import SandboxedFunction
+                from gspo.rewards.sandbox import SandboxedFunction
                 spec["fn"] = SandboxedFunction(spec["fn"], sandbox_limits(policy))
             sources.append((builder(task, **spec), weight))
         except ValueError as err:
@@ -230,13 +230,13 @@ def build_rewards(specs: list[dict], task: Task | None = None, policy=None):
     combined = CombinedReward(sources)
     if policy is None:
         return combined
-    from gspo.data import guard_options
-    from gspo.isolation import GuardedReward
+    from gspo.rollout.data import guard_options
+    from gspo.rewards.isolation import GuardedReward
     return GuardedReward(combined, **guard_options(policy))
 
 
 def sandbox_limits(policy):
-    """`gspo.sandbox.Limits` from the `reward:` config section."""
-    from gspo.sandbox import Limits
+    """`gspo.rewards.sandbox.Limits` from the `reward:` config section."""
+    from gspo.rewards.sandbox import Limits
     return Limits(wall_s=policy.timeout_s, cpu_s=policy.sandbox_cpu_s,
                   memory_mb=policy.sandbox_memory_mb)

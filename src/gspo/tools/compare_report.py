@@ -1,6 +1,6 @@
 """The comparison's ``report.md`` and plots: one table, the claims, mean-over-seeds curves.
 
-Reads ``results.json`` (as built by ``gspo.compare.collect``) and the runs' ``metrics.jsonl``; it
+Reads ``results.json`` (as built by ``gspo.tools.compare.collect``) and the runs' ``metrics.jsonl``; it
 trains nothing and judges nothing (the claim verdicts come computed in the results).
 """
 
@@ -14,8 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from gspo.compare import pm  # noqa: E402
-from gspo.metrics import read_metrics  # noqa: E402
+from gspo.tools.compare import pm  # noqa: E402
+from gspo.observe.metrics import read_metrics  # noqa: E402
 
 # (metric key, title, log y); a panel is drawn only when some run logged the metric.
 PANELS = [

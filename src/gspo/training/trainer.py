@@ -27,22 +27,28 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gspo import algorithms, data, diagnostics, distributed, moe, objectives, tasks
-from gspo.audit import Recorder
-from gspo.guard import Guard
-from gspo.isolation import correct_all
+from gspo.training import algorithms
+from gspo.rollout import data
+from gspo.observe import diagnostics
+from gspo.training import distributed
+from gspo.models import moe
+from gspo.core import objectives
+from gspo import tasks
+from gspo.tools.audit import Recorder
+from gspo.training.stability import Guard
+from gspo.rewards.isolation import correct_all
 from gspo.errors import Interrupted
-from gspo.checkpoint import load_latest
+from gspo.training.checkpoint import load_latest
 from gspo.config import TrainConfig, dump_yaml
-from gspo.evaluation import EvalResult, evaluate
-from gspo.metrics import MetricsWriter, NullWriter
-from gspo.models import build_model, load_model
-from gspo.optim import build_optimizer, build_scheduler
-from gspo.plan import UpdatePlan, live_rows, plan_update
-from gspo.rewards import build_rewards
-from gspo.rollout import RolloutBatch, SamplingParams, generate
-from gspo.sft import cache_key, cached_checkpoint, save_cold_start, train_sft
-from gspo.timing import PARTS, StepTimer, breakdown
+from gspo.rollout.evaluation import EvalResult, evaluate
+from gspo.observe.metrics import MetricsWriter, NullWriter
+from gspo.models.presets import build_model, load_model
+from gspo.training.optim import build_optimizer, build_scheduler
+from gspo.core.plan import UpdatePlan, live_rows, plan_update
+from gspo.rewards.sources import build_rewards
+from gspo.rollout.generate import RolloutBatch, SamplingParams, generate
+from gspo.training.cold_start import cache_key, cached_checkpoint, save_cold_start, train_sft
+from gspo.observe.timing import PARTS, StepTimer, breakdown
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,7 +60,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_task(cfg: TrainConfig) -> tasks.Task:
-    """The configured task with its data checked and its reward calls guarded (gspo.data)."""
+    """The configured task with its data checked and its reward calls guarded (gspo.rollout.data)."""
     return data.build_task(cfg)
 
 
@@ -387,7 +393,7 @@ class Trainer:
 
     def plan(self, batch: RolloutBatch, advantages: torch.Tensor, step: int,
              optimize: bool = True) -> UpdatePlan:
-        """This step's minibatches and the rows needing a forward (gspo.plan); ``optimize=False``:
+        """This step's minibatches and the rows needing a forward (gspo.core.plan); ``optimize=False``:
         every row, π_old of every row from the old-log-prob pass."""
         cfg = self.cfg
         gen = torch.Generator().manual_seed(self.minibatch_seed(step))
@@ -606,7 +612,7 @@ class Trainer:
         return self.wall_before + time.time() - self.t_start
 
     def stop_if_requested(self, done: int) -> None:
-        """Between steps: after SIGINT/SIGTERM (``self.stop``, a gspo.signals.GracefulStop set by
+        """Between steps: after SIGINT/SIGTERM (``self.stop``, a gspo.training.signals.GracefulStop set by
         the CLI), save a checkpoint of the ``done`` steps, then raise Interrupted."""
         stop = getattr(self, "stop", None)
         if stop is None or not self.dist.any(stop.signum is not None):  # ranks stop together

@@ -6,11 +6,11 @@ Linear(H, 1), like transformers' ``AutoModelForTokenClassification`` with one la
 separate value model of InstructGPT / TRL's ``PPOTrainer`` / OpenRLHF (docs/baselines.md says why
 it is not a head on the policy). Position t of the response is scored from the hidden state that
 predicts token y_t, i.e. the state s_t = (x, y_<t) in which the policy chose y_t, the same columns
-as the policy's log-probs (``gspo.logprobs``).
+as the policy's log-probs (``gspo.core.logprobs``).
 
 Pure functions (`value_loss`, `explained_variance`) take tensors and return tensors; no config,
 no ``.item()``. Shapes: N sequences, L = prompt + response columns, T response columns, H hidden.
-This module is not the PPO update loop (``gspo.algorithms.PPO``) nor GAE (``gspo.advantages``).
+This module is not the PPO update loop (``gspo.training.algorithms.PPO``) nor GAE (``gspo.core.advantages``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from gspo.logprobs import _decoder_and_head, _response_hidden
+from gspo.core.logprobs import _decoder_and_head, _response_hidden
 
 __all__ = ["Critic", "explained_variance", "value_loss"]
 

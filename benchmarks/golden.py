@@ -1,0 +1,140 @@
+"""Golden run: does a checkout train bit for bit like a stored reference?
+
+Runs the default job (configs/default.yaml) for 10 RL steps after a 20-step cold start, for
+tiny-dense with gspo, grpo and ppo, and tiny-moe (configs/moe.yaml) with moe.routing_replay=old,
+each with the ``gspo`` package found on PYTHONPATH (so any checkout can be measured), then
+
+* ``--record DIR``: stores each run's metrics.jsonl without the time/* keys and its final
+  weights (model.safetensors, and the PPO critic) under DIR;
+* ``--compare DIR``: runs the same and reports, per run, whether every metric row and every
+  weight tensor is identical to DIR's (exit 0), else the first differing metric and the largest
+  weight difference (exit 1).
+
+Usage (a reference from another commit, then this checkout against it)::
+
+    git worktree add /tmp/base <commit>
+    PYTHONPATH=/tmp/base/src python benchmarks/golden.py --record /tmp/golden --configs /tmp/base/configs
+    PYTHONPATH=src python benchmarks/golden.py --compare /tmp/golden
+
+CPU only, one thread: a few minutes for the four runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["sft.steps=20", "train.steps=10", "run.progress=false", "run.tensorboard=false",
+          "model.device=cpu"]
+RUNS = {  # name -> (config file, overrides)
+    "dense-gspo": ("default.yaml", ["objective.name=gspo"]),
+    "dense-grpo": ("default.yaml", ["objective.name=grpo"]),
+    "dense-ppo": ("default.yaml", ["objective.name=ppo"]),
+    "moe-gspo-replay-old": ("moe.yaml", ["objective.name=gspo", "moe.routing_replay=old"]),
+}
+WEIGHT_FILES = ("model.safetensors", "critic.safetensors")
+
+
+def train(name: str, configs: Path, work: Path) -> Path:
+    """One run of ``name`` in ``work/name`` with the gspo on PYTHONPATH; its final checkpoint."""
+    config, overrides = RUNS[name]
+    run_dir = work / name
+    cmd = [sys.executable, "-m", "gspo", "train", str(configs / config), f"run.dir={run_dir}",
+           f"sft.cache_dir={work / 'sft-cache'}", *COMMON, *overrides]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"golden: {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads((run_dir / "summary.json").read_text())["final_checkpoint"]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl rows without wall-clock keys (time/*)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's weight files, keyed 'file/name'."""
+    out = {}
+    for fname in WEIGHT_FILES:
+        for path in Path(checkpoint).rglob(fname):
+            for key, value in load_file(path).items():
+                out[f"{path.relative_to(checkpoint)}/{key}"] = value
+    return out
+
+
+def same(a, b) -> bool:
+    """Metric values equal, NaN equal to NaN."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def compare_metrics(ref: list[dict], new: list[dict]) -> str | None:
+    """None when identical, else where the first difference is."""
+    if len(ref) != len(new):
+        return f"{len(new)} metric rows, reference {len(ref)}"
+    for i, (r, n) in enumerate(zip(ref, new)):
+        if set(r) != set(n):
+            return f"row {i}: keys differ: {sorted(set(r) ^ set(n))}"
+        for key in r:
+            if not same(r[key], n[key]):
+                return f"row {i} (step {r.get('step')}): {key} = {n[key]!r}, reference {r[key]!r}"
+    return None
+
+
+def compare_weights(ref: dict, new: dict) -> str | None:
+    if set(ref) != set(new):
+        return f"tensors differ: {sorted(set(ref) ^ set(new))[:5]}"
+    worst = max(((ref[k].double() - new[k].double()).abs().max().item(), k) for k in ref)
+    if worst[0] == 0 and all(torch.equal(ref[k], new[k]) for k in ref):
+        return None
+    return f"max |Δw| = {worst[0]:.3e} at {worst[1]}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--record", metavar="DIR", help="store the reference here")
+    mode.add_argument("--compare", metavar="DIR", help="compare against the reference here")
+    parser.add_argument("--configs", default=str(ROOT / "configs"),
+                        help="folder holding default.yaml and moe.yaml (default: this checkout's)")
+    parser.add_argument("--only", help="comma-separated subset of: " + ", ".join(RUNS))
+    parser.add_argument("--work", help="where the runs go (default: a temporary folder)")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(RUNS)
+    store = Path(args.record or args.compare)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gspo-golden-"))
+    failed = 0
+    for name in names:
+        final = Path(train(name, Path(args.configs), work))
+        rows, tensors = metrics(work / name), weights(final)
+        if args.record:
+            (store / name).mkdir(parents=True, exist_ok=True)
+            (store / name / "metrics.json").write_text(json.dumps(rows))
+            torch.save(tensors, store / name / "weights.pt")
+            print(f"{name}: recorded {len(rows)} metric rows, {len(tensors)} tensors")
+            continue
+        ref_rows = json.loads((store / name / "metrics.json").read_text())
+        ref_tensors = torch.load(store / name / "weights.pt", weights_only=True)
+        problems = [p for p in (compare_metrics(ref_rows, rows), compare_weights(ref_tensors, tensors))
+                    if p]
+        failed += bool(problems)
+        print(f"{name}: " + ("identical (metrics and weights)" if not problems
+                             else "DIFFERS: " + "; ".join(problems)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
