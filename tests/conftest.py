@@ -109,7 +109,7 @@ def make_cfg(tmp_path):
 
 def parity_rewards(reward_module: str) -> str:
     """The override that makes ``reward_module`` (module:function) the only reward source."""
-    return f"rewards=[{{type: function, fn: '{reward_module}'}}]"
+    return f"rewards.sources=[{{type: function, fn: '{reward_module}'}}]"
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ PPO_KEYS = ["value/loss", "value/explained_variance", "value/mean", "value/clip_
 
 
 def _parity(reward_module: str) -> str:
-    return f"rewards=[{{type: function, fn: '{reward_module}'}}]"
+    return f"rewards.sources=[{{type: function, fn: '{reward_module}'}}]"
 
 
 def _ckpt(run, step: int):

@@ -46,7 +46,7 @@ def test_bad_override_is_one_line_exit_2():
 def test_train_end_to_end(tmp_path, small_config, reward_module, reward_dir):
     """A 1-step run in a subprocess, from the user's side: exit 0, summary line, outputs."""
     cfg = small_config(tmp_path, "sft.enabled=false", "train.steps=1",
-                       f"rewards=[{{type: function, fn: '{reward_module}'}}]")
+                       f"rewards.sources=[{{type: function, fn: '{reward_module}'}}]")
     dump_yaml(cfg, tmp_path / "cfg.yaml")
     run = Path(cfg.run.dir)
     out = subprocess.run([*GSPO, "train", str(tmp_path / "cfg.yaml"), "seed=0"],

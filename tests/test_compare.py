@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gspo.tools import compare
+from gspo.tools import compare, compare_stats
 from gspo.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,11 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 # --------------------------------------------------------------------------------- aggregation
 def test_mean_std_is_sample_std_and_skips_none():
     # values 0.2, 0.4, 0.6: mean 0.4, sample var ((-.2)^2 + 0 + .2^2) / (3-1) = 0.04 -> std 0.2
-    s = compare.mean_std([0.2, None, 0.4, 0.6])
+    s = compare_stats.mean_std([0.2, None, 0.4, 0.6])
     assert s["mean"] == pytest.approx(0.4) and s["std"] == pytest.approx(0.2)
     assert (s["min"], s["max"], s["n"]) == (0.2, 0.6, 3)
-    assert compare.mean_std([0.5])["std"] == 0.0
-    assert compare.mean_std([None])["mean"] is None
+    assert compare_stats.mean_std([0.5])["std"] == 0.0
+    assert compare_stats.mean_std([None])["mean"] is None
 
 
 def _rows(accs: dict[int, float], clip: float = 0.1) -> list[dict]:
@@ -37,10 +37,10 @@ def _rows(accs: dict[int, float], clip: float = 0.1) -> list[dict]:
 
 
 def test_steps_to_threshold_is_first_evaluated_step_at_or_above():
-    series = compare.eval_series(_rows({0: 0.1, 2: 0.4, 4: 0.5, 6: 0.7}))
+    series = compare_stats.eval_series(_rows({0: 0.1, 2: 0.4, 4: 0.5, 6: 0.7}))
     assert series == [(0, 0.1), (2, 0.4), (4, 0.5), (6, 0.7)]
-    assert compare.steps_to(series, 0.5) == 4      # equal counts
-    assert compare.steps_to(series, 0.9) is None
+    assert compare_stats.steps_to(series, 0.5) == 4      # equal counts
+    assert compare_stats.steps_to(series, 0.9) is None
 
 
 @pytest.mark.parametrize("accs, collapsed", [
@@ -52,19 +52,19 @@ def test_steps_to_threshold_is_first_evaluated_step_at_or_above():
     ({0: 0.5, 2: 0.3}, False),                     # never gained: nothing to collapse from
 ])
 def test_collapse(accs, collapsed):
-    assert compare.collapsed(compare.eval_series(_rows(accs)), min_gain=0.05) is collapsed
+    assert compare_stats.collapsed(compare_stats.eval_series(_rows(accs)), min_gain=0.05) is collapsed
 
 
 def test_run_stats_and_aggregate():
     summary = {"seed": 0, "eval_after": {"accuracy": 0.3}, "wall_s": 9.0, "rollout_size": 8}
-    r = compare.run_stats(_rows({0: 0.2, 2: 0.6, 4: 0.3}, clip=0.25), summary, 0.5, 0.05)
+    r = compare_stats.run_stats(_rows({0: 0.2, 2: 0.6, 4: 0.3}, clip=0.25), summary, 0.5, 0.05)
     assert (r["cold_accuracy"], r["best_accuracy"], r["best_step"]) == (0.2, 0.6, 2)
     assert r["steps_to_threshold"] == 2 and r["collapsed"] is True
     assert r["clip_frac_tokens"] == pytest.approx(0.25)
     # 4 steps x 0.5 s = 2 s; tokens 4 steps x 4.0 mean length x 8 responses = 128 -> 64 tokens/s
     assert r["train_s"] == 2.0 and r["tokens_per_s"] == 64.0
     r2 = {**r, "seed": 1, "final_accuracy": 0.5, "steps_to_threshold": None, "collapsed": False}
-    agg = compare.aggregate([r, r2])
+    agg = compare_stats.aggregate([r, r2])
     assert agg["final_accuracy"]["mean"] == pytest.approx(0.4)
     assert agg["steps_to_threshold"]["mean"] == 2 and agg["reached_threshold"] == 1
     assert agg["collapses"] == 1 and agg["seeds"] == 2
@@ -75,14 +75,14 @@ def _variant(finals: list[float], clip: float, collapses: int = 0) -> dict:
     runs = [{"cold_accuracy": 0.1, "final_accuracy": f, "best_accuracy": f, "steps_to_threshold": None,
              "clip_frac_tokens": clip, "wall_s": 1.0, "train_s": 1.0, "tokens_per_s": 1.0,
              "collapsed": i < collapses} for i, f in enumerate(finals)]
-    return {"summary": compare.aggregate(runs)}
+    return {"summary": compare_stats.aggregate(runs)}
 
 
 def test_compare_means_needs_two_seeds_and_a_gap_beyond_the_spread():
-    a, b = compare.mean_std([0.6, 0.62]), compare.mean_std([0.3, 0.32])
-    assert compare.compare_means(a, b) == "better" and compare.compare_means(b, a) == "worse"
-    assert compare.compare_means(a, compare.mean_std([0.55, 0.65])) == "within"
-    assert compare.compare_means(compare.mean_std([0.9]), compare.mean_std([0.1])) == "within"
+    a, b = compare_stats.mean_std([0.6, 0.62]), compare_stats.mean_std([0.3, 0.32])
+    assert compare_stats.compare_means(a, b) == "better" and compare_stats.compare_means(b, a) == "worse"
+    assert compare_stats.compare_means(a, compare_stats.mean_std([0.55, 0.65])) == "within"
+    assert compare_stats.compare_means(compare_stats.mean_std([0.9]), compare_stats.mean_std([0.1])) == "within"
 
 
 def test_claim_verdicts_from_numbers():

@@ -33,7 +33,7 @@ def test_builtin_defaults():
     assert cfg.train.minibatches == 4                     # the paper's four minibatches
     assert cfg.train.beta == 0.0                          # no KL, as the GSPO paper
     assert cfg.train.old_logprobs == "recompute"
-    assert [r.type for r in cfg.rewards] == ["verifier"]
+    assert [r.type for r in cfg.rewards.sources] == ["verifier"]
 
 
 def test_shipped_default_yaml_loads():
@@ -73,11 +73,11 @@ def test_parse_override_exponent_without_dot_is_a_float():
 
 def test_overrides_apply_to_nested_fields():
     cfg = load_config(None, ["train.steps=7", "rollout.temperature=0.5", "objective.name=grpo",
-                             "rewards=[{type: verifier, weight: 2.0}]"])
+                             "rewards.sources=[{type: verifier, weight: 2.0}]"])
     assert cfg.train.steps == 7
     assert cfg.rollout.temperature == 0.5
     assert cfg.objective.name == "grpo"
-    assert cfg.rewards[0].weight == 2.0
+    assert cfg.rewards.sources[0].weight == 2.0
 
 
 def test_override_on_top_of_a_file(tmp_path):
@@ -112,7 +112,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
 
 
 def test_unknown_key_inside_rewards_list_suggests():
-    assert "did you mean 'type'" in _error("rewards=[{tpye: verifier}]")
+    assert "did you mean 'type'" in _error("rewards.sources=[{tpye: verifier}]")
 
 
 # ------------------------------------------------------------------------------- wrong values

@@ -30,8 +30,7 @@ from gspo.training import distributed
 from gspo.core import objectives
 from gspo.core.advantages import group_advantages
 from gspo.training.distributed import Dist
-from gspo.rewards.isolation import masked_group_advantages
-from gspo.training.trainer import split_minibatches
+from gspo.rollout.collect import split_minibatches
 
 P, G, T, V, H = 5, 3, 6, 11, 4   # prompts, group size, response columns, vocabulary, features
 WORLD = 2
@@ -163,8 +162,9 @@ def _objective_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     warnings.simplefilter("ignore")                       # token-mean with a sequence ratio
     dist, rows = distributed.current(), _rows(rank, world)
     rewards = _problem()[-1][rows]
-    rewards[1] = float("nan")                              # a dropped sample (reward.on_error=drop)
-    batch_adv = dist.batch_advantages(rewards, G, eps=1e-6, local=rewards)
+    rewards[1] = float("nan")                              # a dropped sample (rewards.on_error=drop)
+    everyone, own = dist.all_rewards(rewards)               # what GroupRelative does for scale=batch
+    batch_adv = group_advantages(everyone, G, scale="batch", eps=1e-6)[own]
     torch.save((_objective_runs(dist, rows), batch_adv), Path(out_dir) / f"objectives_{rank}.pt")
     distributed.shutdown()
 
@@ -178,7 +178,7 @@ def test_two_ranks_equal_one_process_every_objective_and_aggregation(tmp_path):
     # advantage.scale=batch: the std of every rank's rewards, as one process computes it
     rewards = _problem()[-1]
     rewards[torch.tensor([1, int(_rows(1, WORLD)[1])])] = float("nan")
-    expected = masked_group_advantages(rewards, G, scale="batch", eps=1e-6)
+    expected = group_advantages(rewards, G, scale="batch", eps=1e-6)
     assert torch.allclose(torch.cat([adv for _, adv in saved]).float(), expected.float(), atol=1e-6)
     assert sum(placeholders for _, placeholders in ranks) > 0   # the empty-share path ran
     assert {"gspo", "gspo_token", "grpo"} <= {name for name, _, _ in single}
@@ -288,7 +288,7 @@ SMALL_RUN = [
     "rollout.prompts_per_step=5", "rollout.group_size=4", "rollout.max_new_tokens=4",
     "train.minibatches=4", "eval.n=8", "eval.k=2", "run.eval_every=0", "run.save_every=1",
     "run.progress=false", "run.tensorboard=false",
-    "rewards=[{type: function, fn: 'gspo_test_rewards:first_char_parity'}]",
+    "rewards.sources=[{type: function, fn: 'gspo_test_rewards:first_char_parity'}]",
 ]
 
 

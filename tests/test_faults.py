@@ -187,8 +187,8 @@ def test_sigint_in_process_exits_130(ref, capsys, tmp_path, reward_dir, monkeypa
         "        os.kill(os.getpid(), signal.SIGINT)\n"
         "    return float(len(completion) % 2)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    config, run = ref["make"]("sigint", "rewards=[{type: function, fn: 'ctrl_c:reward'}]",
-                              "run.save_every=0", "reward.timeout_s=60")
+    config, run = ref["make"]("sigint", "rewards.sources=[{type: function, fn: 'ctrl_c:reward'}]",
+                              "run.save_every=0", "rewards.timeout_s=60")
     before = signal.getsignal(signal.SIGINT)    # SIG_IGN when the test runner was started with &
     assert main(["train", str(config)]) == 130
     err = capsys.readouterr().err

@@ -1,5 +1,5 @@
 """Reward faults are isolated to their sample: an exception, NaN, Inf, None, a string or a hang under
-each reward.on_error policy (zero, drop, fail); the drop policy's advantages by hand; the bound on
+each rewards.on_error policy (zero, drop, fail); the drop policy's advantages by hand; the bound on
 hung threads; the guarded task used by evaluation; and the policies inside a training step."""
 
 import math
@@ -11,7 +11,7 @@ import torch
 from gspo.core.advantages import group_advantages
 from gspo.cli import main
 from gspo.errors import RewardError
-from gspo.rewards.isolation import GuardedReward, GuardedTask, TimedCaller, advantages_with_drops
+from gspo.rewards.isolation import IsolatedReward, IsolatedTask, TimedCaller, advantages_with_drops
 from gspo.observe.metrics import read_metrics
 from gspo.rewards.sources import CombinedReward, FunctionReward
 from gspo.rollout.generate import RolloutBatch
@@ -46,9 +46,9 @@ COMPLETIONS = ["ok", "bad", "ok", "ok"]
 EXAMPLES = [Example(f"{i}+{i}=", str(2 * i)) for i in range(4)]
 
 
-def _reward(kind: str, on_error: str, log=None) -> GuardedReward:
+def _reward(kind: str, on_error: str, log=None) -> IsolatedReward:
     combined = CombinedReward([(FunctionReward(_faulty(kind), name="f"), 2.0)])
-    return GuardedReward(combined, on_error=on_error, timeout_s=0.2, log=log)
+    return IsolatedReward(combined, on_error=on_error, timeout_s=0.2, log=log)
 
 
 @pytest.mark.parametrize("kind", sorted(REASONS))
@@ -59,7 +59,7 @@ def test_zero_policy_scores_the_failed_sample_0(kind):
     assert result.errors.tolist() == [False, True, False, False]
     assert result.per_source["f"].tolist() == [1.0, 0.0, 1.0, 1.0]
     assert len(logs) == 1 and "reward 'f' failed on sample 1 (prompt '1+1='" in logs[0]
-    assert REASONS[kind] in logs[0] and "reward.on_error=zero" in logs[0]
+    assert REASONS[kind] in logs[0] and "rewards.on_error=zero" in logs[0]
 
 
 @pytest.mark.parametrize("kind", sorted(REASONS))
@@ -123,13 +123,13 @@ def test_guarded_task_is_correct_all_is_is_correct_per_sample():
 
         def is_correct(self, completion, example):
             return 1 / 0 if completion == "bad" else completion == "ok"
-    task = GuardedTask(Task(), on_error="zero", timeout_s=1.0)
+    task = IsolatedTask(Task(), on_error="zero", timeout_s=1.0)
     completions = ["ok", "bad", "no", "ok"]
     assert task.is_correct_all(completions, EXAMPLES) == [True, False, False, True]
     assert task.is_correct_all(completions, EXAMPLES) == [task.is_correct(c, ex)
                                                          for c, ex in zip(completions, EXAMPLES)]
     with pytest.raises(RewardError, match="task 't' is_correct failed .*ZeroDivisionError"):
-        GuardedTask(Task(), on_error="fail").is_correct_all(completions, EXAMPLES)
+        IsolatedTask(Task(), on_error="fail").is_correct_all(completions, EXAMPLES)
 
 
 def test_batch_source_fails_as_a_batch():
@@ -138,7 +138,7 @@ def test_batch_source_fails_as_a_batch():
 
         def __call__(self, completions, examples):
             raise RuntimeError("CUDA out of memory")
-    reward = GuardedReward(CombinedReward([(Broken(), 1.0)]), on_error="zero", log=lambda m: None)
+    reward = IsolatedReward(CombinedReward([(Broken(), 1.0)]), on_error="zero", log=lambda m: None)
     assert reward(COMPLETIONS, EXAMPLES).errors.tolist() == [True] * 4
 
 
@@ -176,7 +176,7 @@ def test_advantages_without_drops_are_the_plain_ones():
 
 def test_dropped_samples_leave_the_loss_mask(make_cfg, reward_module):
     """update() drops marked rows from the loss exactly as mask_truncated drops truncated ones."""
-    t = Trainer(make_cfg("sft.enabled=false", f"rewards=[{{type: function, fn: '{reward_module}'}}]",
+    t = Trainer(make_cfg("sft.enabled=false", f"rewards.sources=[{{type: function, fn: '{reward_module}'}}]",
                          "train.minibatches=1"), log=lambda m: None)
     t.setup()
     batch, rewards, _ = t.collect(0)
@@ -198,11 +198,11 @@ def test_guarded_task_scores_failures_0_and_incorrect():
 
         def is_correct(self, completion, example):
             return 1 / 0 if completion == "bad" else True
-    task = GuardedTask(Task(), on_error="zero", timeout_s=1.0)
+    task = IsolatedTask(Task(), on_error="zero", timeout_s=1.0)
     assert (task.reward("ok", EXAMPLES[0]), task.reward("bad", EXAMPLES[0])) == (1.0, 0.0)
     assert (task.is_correct("ok", EXAMPLES[0]), task.is_correct("bad", EXAMPLES[0])) == (True, False)
     with pytest.raises(RewardError, match="task 't' is_correct failed .*ZeroDivisionError"):
-        GuardedTask(Task(), on_error="fail").is_correct("bad", EXAMPLES[0])
+        IsolatedTask(Task(), on_error="fail").is_correct("bad", EXAMPLES[0])
 
 
 # ------------------------------------------------------------------------------- in training
@@ -217,11 +217,11 @@ def flaky(tmp_path, monkeypatch):
         "        raise ValueError('capitals are not allowed')\n"
         "    return float(ord(completion[0]) % 2) if completion else 0.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "rewards=[{type: function, fn: 'flaky:reward'}]"
+    return "rewards.sources=[{type: function, fn: 'flaky:reward'}]"
 
 
 def test_drop_policy_in_a_training_step(make_cfg, flaky):
-    t = Trainer(make_cfg("sft.enabled=false", flaky, "reward.on_error=drop", "train.minibatches=1",
+    t = Trainer(make_cfg("sft.enabled=false", flaky, "rewards.on_error=drop", "train.minibatches=1",
                          "rollout.group_size=8", "rollout.prompts_per_step=4"), log=lambda m: None)
     t.setup()
     batch, rewards, stats = t.collect(0)
@@ -237,7 +237,7 @@ def test_drop_policy_in_a_training_step(make_cfg, flaky):
 
 
 def test_default_metrics_count_zero_errors(make_cfg, reward_module):
-    t = Trainer(make_cfg("sft.enabled=false", f"rewards=[{{type: function, fn: '{reward_module}'}}]"),
+    t = Trainer(make_cfg("sft.enabled=false", f"rewards.sources=[{{type: function, fn: '{reward_module}'}}]"),
                 log=lambda m: None)
     t.setup()
     assert t.step(0)["reward/errors"] == 0
@@ -252,13 +252,13 @@ def test_fail_policy_stops_training_with_one_line(capsys, tmp_path, flaky):
     assert code == 2 and "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("gspo: error: reward 'flaky.reward' failed on sample ")
-    assert "ValueError: capitals are not allowed. reward.on_error=fail" in last
+    assert "ValueError: capitals are not allowed. rewards.on_error=fail" in last
     assert read_metrics(tmp_path / "run")[0]["step"] == 0          # stopped inside step 1
 
 
 def test_drop_policy_through_guard_and_audit(capsys, make_cfg, flaky):
     """Dropped samples are no NaN to the stability guard, and `gspo audit` accounts for them."""
-    cfg = make_cfg("sft.enabled=false", flaky, "reward.on_error=drop", "rollout.group_size=8",
+    cfg = make_cfg("sft.enabled=false", flaky, "rewards.on_error=drop", "rollout.group_size=8",
                    "audit.every=1")
     Trainer(cfg, log=lambda m: None).run()
     rows = read_metrics(cfg.run.dir)[1:]

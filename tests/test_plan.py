@@ -17,7 +17,7 @@ from gspo.training.trainer import Trainer
 
 
 def _parity(reward_module: str) -> str:
-    return f"rewards=[{{type: function, fn: '{reward_module}'}}]"
+    return f"rewards.sources=[{{type: function, fn: '{reward_module}'}}]"
 
 
 # ----------------------------------------------------------------------------- pure planning

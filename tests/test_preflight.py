@@ -49,10 +49,10 @@ def _fails(capsys, tmp_path, *argv: str, command: str = "train") -> str:
     ("objective.params={tau: 1}", "objective.params: objective 'gspo' has no hyper-parameter 'tau'"),
     ("task.name=countdwn", "task.name: unknown task 'countdwn'; did you mean 'countdown'?"),
     ("model.preset=tiny-dens", "model.preset: unknown model preset 'tiny-dens'; did you mean 'tiny-dense'?"),
-    ("rewards=[{type: fuction, fn: 'm:f'}]", "rewards.0.type: unknown reward type 'fuction'; did you mean 'function'?"),
-    ("rewards=[{type: function}]", "rewards.0: a reward of type 'function' needs 'fn'"),
-    ("reward.on_error=ignore", "reward.on_error: Input should be 'fail', 'zero' or 'drop'"),
-    ("reward.timeout_s=0", "reward.timeout_s: Input should be greater than 0"),
+    ("rewards.sources=[{type: fuction, fn: 'm:f'}]", "rewards.sources.0.type: unknown reward type 'fuction'; did you mean 'function'?"),
+    ("rewards.sources=[{type: function}]", "rewards.sources.0: a reward of type 'function' needs 'fn'"),
+    ("rewards.on_error=ignore", "rewards.on_error: Input should be 'fail', 'zero' or 'drop'"),
+    ("rewards.timeout_s=0", "rewards.timeout_s: Input should be greater than 0"),
     ("data.on_error=drop", "data.on_error: Input should be 'fail' or 'skip'"),
     ("task.name=custom", "task.train_file is required when task.name=custom"),
 ])
@@ -84,8 +84,8 @@ def test_missing_data_files(capsys, tmp_path, custom, argv, expected):
 def test_missing_model_and_reward_model_paths(capsys, tmp_path):
     err = _fails(capsys, tmp_path, f"model.path={tmp_path / 'nowhere'}")
     assert "model.path:" in err and "no config.json" in err
-    err = _fails(capsys, tmp_path, f"rewards=[{{type: model, path: '{tmp_path / 'rm'}'}}]")
-    assert "rewards[0].path:" in err and "no config.json" in err
+    err = _fails(capsys, tmp_path, f"rewards.sources=[{{type: model, path: '{tmp_path / 'rm'}'}}]")
+    assert "rewards.sources[0].path:" in err and "no config.json" in err
 
 
 def test_pickled_weights_are_refused(capsys, tmp_path):
@@ -110,8 +110,8 @@ def test_bad_reward_function(capsys, tmp_path, reward_module, spec, expected):
 
 
 def test_bad_function_reward_source(capsys, tmp_path, reward_module):
-    err = _fails(capsys, tmp_path, "rewards=[{type: function, fn: 'gspo_test_rewards:nope'}]")
-    assert "rewards[0] (type 'function'):" in err and "no attribute 'nope'" in err
+    err = _fails(capsys, tmp_path, "rewards.sources=[{type: function, fn: 'gspo_test_rewards:nope'}]")
+    assert "rewards.sources[0] (type 'function'):" in err and "no attribute 'nope'" in err
 
 
 # ------------------------------------------------------------------------------- model
@@ -191,7 +191,7 @@ def test_reward_that_fails_on_every_demonstration(capsys, tmp_path, monkeypatch)
     """A wrong signature would score every sample 0 under on_error=zero: caught before training."""
     (tmp_path / "narrow.py").write_text("def reward(completion):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    err = _fails(capsys, tmp_path, "rewards=[{type: function, fn: 'narrow:reward'}]",
-                 "reward.on_error=zero", "task.n_train=20", "task.n_test=5")
+    err = _fails(capsys, tmp_path, "rewards.sources=[{type: function, fn: 'narrow:reward'}]",
+                 "rewards.on_error=zero", "task.n_train=20", "task.n_test=5")
     assert "rewards: 'narrow.reward' fails on the demonstration of training example 1" in err
     assert "TypeError: reward() got an unexpected keyword argument" in err

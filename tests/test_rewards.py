@@ -120,13 +120,13 @@ def test_build_rewards_from_specs(reward_mod, arithmetic):
 def test_build_rewards_errors(arithmetic):
     assert rewards.source_types() == ["function", "model", "verifier"]
     valid = "valid types: function, model, verifier"
-    with pytest.raises(ValueError, match=rf"rewards\[0\]: unknown reward type 'llm'; {valid}"):
+    with pytest.raises(ValueError, match=rf"rewards.sources\[0\]: unknown reward type 'llm'; {valid}"):
         build_rewards([{"type": "llm"}], arithmetic)
-    with pytest.raises(ValueError, match=r"rewards\[1\]: unknown reward type None"):
+    with pytest.raises(ValueError, match=r"rewards.sources\[1\]: unknown reward type None"):
         build_rewards([{"type": "verifier"}, {"weight": 1.0}], arithmetic)
-    with pytest.raises(ValueError, match=r"rewards\[0\] \(type 'function'\).*fnn.*valid arguments: fn, name"):
+    with pytest.raises(ValueError, match=r"rewards.sources\[0\] \(type 'function'\).*fnn.*valid arguments: fn, name"):
         build_rewards([{"type": "function", "fnn": "m:f"}], arithmetic)
-    with pytest.raises(ValueError, match=r"rewards\[0\] \(type 'function'\).*'fn'"):
+    with pytest.raises(ValueError, match=r"rewards.sources\[0\] \(type 'function'\).*'fn'"):
         build_rewards([{"type": "function"}], arithmetic)
     with pytest.raises(ValueError, match="needs a task"):
         build_rewards([{"type": "verifier"}], None)

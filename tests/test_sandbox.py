@@ -1,5 +1,5 @@
 """The reward sandbox: a worker process with wall-clock, CPU-time and memory limits and no network;
-faults come back as RewardFault and the next call gets a fresh worker; `reward.sandbox=true` routes
+faults come back as RewardFault and the next call gets a fresh worker; `rewards.sandbox=true` routes
 function rewards (and a custom task's reward) through it without importing them in-process."""
 
 import sys
@@ -93,11 +93,11 @@ def test_import_errors_are_configuration_errors(probe):
 
 def test_reward_sandbox_config_routes_function_rewards(make_cfg, probe):
     from gspo.rollout.data import build_task
-    from gspo.rewards.sources import build_rewards
+    from gspo.rewards.isolation import isolated_rewards
     from gspo.tasks import Example
-    cfg = make_cfg(f"rewards=[{{type: function, fn: '{MODULE}:length'}}]", "reward.sandbox=true",
-                   "reward.on_error=zero")
-    reward = build_rewards([r.model_dump() for r in cfg.rewards], build_task(cfg), policy=cfg.reward)
+    cfg = make_cfg(f"rewards.sources=[{{type: function, fn: '{MODULE}:length'}}]", "rewards.sandbox=true",
+                   "rewards.on_error=zero")
+    reward = isolated_rewards(cfg.rewards, build_task(cfg))
     (source, _), = reward.sources
     assert isinstance(source.source.fn, SandboxedFunction)
     assert reward(["ab", "abcd"], [Example("1=", "1")] * 2).total.tolist() == [2.0, 4.0]
@@ -110,7 +110,7 @@ def test_custom_task_reward_in_the_sandbox(make_cfg, probe, tmp_path):
     (tmp_path / "test.jsonl").write_text('{"prompt": "2=", "answer": "2", "bonus": 20}\n')
     cfg = make_cfg("task.name=custom", f"task.train_file={tmp_path / 'train.jsonl'}",
                    f"task.test_file={tmp_path / 'test.jsonl'}", f"task.reward={MODULE}:length",
-                   "reward.sandbox=true")
+                   "rewards.sandbox=true")
     task = build_task(cfg)
     example = task.split("test")[0]
     assert task.reward("abc", example) == 23.0

@@ -2,9 +2,14 @@
 
 User errors (config, data, unknown names, missing files, unwritable output) are found in a
 preflight phase (``gspo.tools.preflight``), before any model is built: one line, exit 2. Inside
-training only ``UserError``s (a failing reward under ``reward.on_error=fail``) are one line;
+training only ``UserError``s (a failing reward under ``rewards.on_error=fail``) are one line;
 anything else is a bug and keeps its traceback. SIGINT / SIGTERM save a checkpoint and exit
 128 + signal (130 / 143). Exit codes: docs/reliability.md.
+
+The top layer: nothing imports it. Each command imports the library modules it needs when it
+runs, so that ``gspo --help`` and ``gspo report`` start without loading torch; no other gspo
+module imports gspo modules inside a function, and this is not to dodge a circle (nothing is
+above the CLI).
 """
 
 from __future__ import annotations
@@ -16,16 +21,6 @@ import sys
 from pathlib import Path
 
 from gspo.errors import EXIT_USAGE, Interrupted, UserError
-
-
-def _user_errors():
-    """Errors that are the user's to fix wherever raised (ConfigError, TaskDataError, RewardError
-    are UserErrors); a ValueError or OSError is one only inside ``user_input()`` (preflight)."""
-    try:
-        from gspo.tools.audit import AuditError
-    except ImportError:  # never let the error path itself fail
-        return (UserError,)
-    return (UserError, AuditError)
 
 
 def _quiet_libraries() -> None:
@@ -53,11 +48,11 @@ def _split_config_and_overrides(args) -> None:
 
 # --------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
-    from gspo.training import distributed
-    from gspo.training.stability import GuardPause
-    from gspo.tools.preflight import check_rewards, check_train, user_input
     from gspo.observe.report import build_report
+    from gspo.tools.preflight import check_rewards, check_train, user_input
+    from gspo.training import distributed
     from gspo.training.signals import GracefulStop
+    from gspo.training.stability import GuardPause
     from gspo.training.trainer import Trainer
     with user_input():  # preflight: config, files, output folder, data, rewards; no model yet
         if args.resume:
@@ -98,7 +93,8 @@ def cmd_train(args) -> int:
 def cmd_sft(args) -> int:
     from gspo.models.presets import save_model
     from gspo.tools.preflight import check_files, check_model, user_input
-    from gspo.training.trainer import build_task, initial_policy
+    from gspo.rollout.data import build_task
+    from gspo.training.cold_start import initial_policy
     with user_input():
         cfg = _config(args)
         check_files(cfg)
@@ -113,11 +109,10 @@ def cmd_sft(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from gspo.models.presets import DTYPES, load_model, resolve_device
+    from gspo.rollout.data import build_task, eval_examples
     from gspo.rollout.evaluation import evaluate
-    from gspo.models.presets import load_model
     from gspo.tools.preflight import check_checkpoint, user_input
-    from gspo.rollout.data import eval_examples
-    from gspo.training.trainer import DTYPES, build_task, resolve_device
     with user_input():
         cfg = _config(args)
         check_checkpoint("--checkpoint", args.checkpoint)
@@ -233,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(args, "overrides"):
             _split_config_and_overrides(args)
         return args.fn(args)
-    except _user_errors() as err:
+    except UserError as err:  # the user's to fix wherever raised (ConfigError, RewardError,
+        # AuditError...); a ValueError or OSError is one only inside user_input() (preflight)
         print(f"gspo: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as stop:

@@ -2,8 +2,13 @@
 
 One pydantic model per command (``TrainConfig`` for ``gspo train``; ``gspo sft`` and
 ``gspo eval`` read the same sections). Every field carries a docstring, unknown keys are errors
-with a "did you mean", and all of it is checked before any model is built.
-``ConfigError`` carries a one-line, user-facing message; the CLI prints it and exits 2.
+with a "did you mean", keys that moved are refused naming their new place (``MOVED``), and all
+of it is checked before any model is built. ``ConfigError`` carries a one-line, user-facing
+message; the CLI prints it and exits 2.
+
+Layer: above the registries it validates names against (``gspo.core.objectives``,
+``gspo.models``, ``gspo.tasks``, ``gspo.rewards``, the stability rules of ``gspo.observe``) and
+below everything that reads a config (``gspo.rollout``, ``gspo.training``, ``gspo.tools``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gspo.core import objectives
 from gspo.errors import UserError
+from gspo.models.presets import available_presets
+from gspo.observe.stability_rules import check_rule
+from gspo.rewards.sources import source_types
+from gspo import tasks
+
+BASELINES = ("sft",)
+"""objective.name values that are not a policy loss: continued SFT at RL's budget
+(gspo.training.algorithms implements them; every other name is a gspo.core.objectives loss)."""
+
+MOVED = {"reward": "rewards"}
+"""Sections renamed or merged (old name -> new one): refused with the new key, e.g.
+reward.on_error -> rewards.on_error."""
 
 
 class ConfigError(UserError, ValueError):
@@ -72,7 +90,6 @@ class ModelConfig(Section):
     @field_validator("preset")
     @classmethod
     def _preset(cls, name: str) -> str:
-        from gspo.models.presets import available_presets
         return one_of("model preset", name, available_presets())
 
 
@@ -101,8 +118,7 @@ class TaskConfig(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        from gspo.tasks import available
-        return one_of("task", name, available())
+        return one_of("task", name, tasks.available())
 
 
 class RewardSpec(Section):
@@ -118,7 +134,6 @@ class RewardSpec(Section):
     @field_validator("type")
     @classmethod
     def _type(cls, name: str) -> str:
-        from gspo.rewards.sources import source_types
         return one_of("reward type", name, source_types())
 
     @model_validator(mode="after")
@@ -177,13 +192,11 @@ class ObjectiveConfig(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        from gspo.training import algorithms
-        return one_of("objective", name, algorithms.names())
+        return one_of("objective", name, objective_names())
 
     @field_validator("params")
     @classmethod
     def _params(cls, params: dict, info) -> dict:
-        from gspo.core import objectives
         name = info.data.get("name")
         if name is None:  # the name itself failed
             return params
@@ -269,7 +282,7 @@ GuardAction = Literal["warn", "skip", "pause", "rollback"]
 
 class GuardRule(Section):
     kind: str
-    """Rule kind (gspo.training.stability.available()): nan | clip_frac | approx_kl | kl_ref | grad_norm | entropy | reward_drop | moe_imbalance | metric."""
+    """Rule kind (gspo.observe.stability_rules.available()): nan | clip_frac | approx_kl | kl_ref | grad_norm | entropy | reward_drop | moe_imbalance | metric."""
     threshold: float | None = None
     """The limit (every kind but nan): the metric above it fires (below it for entropy; reward_drop: the drop below the moving average)."""
     action: GuardAction = "warn"
@@ -285,7 +298,6 @@ class GuardRule(Section):
 
     @model_validator(mode="after")
     def _kind(self) -> "GuardRule":
-        from gspo.training.stability import check_rule
         check_rule(self)
         return self
 
@@ -345,7 +357,9 @@ class DataConfig(Section):
     """A bad example (bad JSON, missing or empty prompt, wrong type, characters the tokenizer cannot encode, longer than the context): fail names it (file:line); skip drops it and counts it (log, summary.json)."""
 
 
-class RewardPolicy(Section):
+class RewardsConfig(Section):
+    sources: list[RewardSpec] = [RewardSpec()]
+    """Reward sources, summed with their weights."""
     on_error: Literal["fail", "zero", "drop"] = "fail"
     """A reward source that raises, hangs, or returns None / a non-number / NaN / Inf on a sample: fail stops naming the sample; zero scores it 0; drop masks the sample out of the advantages and the loss. Counted in reward/errors."""
     timeout_s: float = Field(30.0, gt=0)
@@ -366,10 +380,8 @@ class TrainConfig(Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
-    rewards: list[RewardSpec] = [RewardSpec()]
-    """Reward sources, summed with their weights."""
-    reward: RewardPolicy = RewardPolicy()
-    """What a failing reward call does to the run: timeouts, on_error policy, sandbox (docs/reliability.md)."""
+    rewards: RewardsConfig = RewardsConfig()
+    """Reward sources and what a failing reward call does to the run: timeouts, on_error policy, sandbox (docs/reliability.md)."""
     data: DataConfig = DataConfig()
     """What a bad training or test example does to the run (docs/reliability.md)."""
     sft: SFTConfig = SFTConfig()
@@ -392,6 +404,23 @@ class TrainConfig(Section):
     """Deliberate faults for testing the guard (off by default)."""
     dist: DistConfig = DistConfig()
     """Data-parallel training under torchrun: strategy ddp | fsdp (docs/distributed.md)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, tree):
+        """Refuse a section that moved, naming where its keys went."""
+        if not isinstance(tree, dict):
+            return tree
+        for old, new in MOVED.items():
+            if old in tree:
+                keys = list(tree[old]) if isinstance(tree[old], dict) else []
+                key = f"{old}.{keys[0]}" if keys else old
+                raise ValueError(f"unknown key {key!r}; did you mean {new + key[len(old):]!r}? "
+                                 f"(section {old!r} is now part of {new!r})")
+        if isinstance(tree.get("rewards"), list):
+            raise ValueError("rewards is a section now; did you mean rewards.sources? "
+                             "(e.g. rewards.sources=[{type: verifier}])")
+        return tree
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -416,6 +445,28 @@ class TrainConfig(Section):
     def batch_size(self) -> int:
         """N = P x G sequences per RL step (derived)."""
         return self.rollout.prompts_per_step * self.rollout.group_size
+
+    def objective_kwargs(self) -> dict:
+        """Keyword arguments of the policy loss (derived): the clip range and aggregation when
+        set (else the objective's paper defaults), objective.params, and token_sum_norm =
+        rollout.max_new_tokens (the seq-mean-token-sum-norm constant)."""
+        o = self.objective
+        kwargs = {k: v for k, v in (("eps_low", o.eps_low), ("eps_high", o.eps_high),
+                                    ("aggregation", o.aggregation)) if v is not None}
+        return {**kwargs, **o.params, "token_sum_norm": float(self.rollout.max_new_tokens)}
+
+    def token_aggregation(self) -> str:
+        """How per-token extras (KL, entropy) are reduced (derived): like the objective, with
+        seq-mean read as seq-mean-token-mean."""
+        defaults = objectives.spec(self.objective.name).defaults \
+            if self.objective.name in objectives.available() else {}
+        mode = self.objective.aggregation or defaults.get("aggregation", "seq-mean")
+        return "seq-mean-token-mean" if mode == "seq-mean" else mode
+
+
+def objective_names() -> list[str]:
+    """Every valid ``objective.name``: the policy-loss registry plus ``BASELINES``."""
+    return sorted(set(objectives.available()) | set(BASELINES))
 
 
 # ---------------------------------------------------------------------------------------------

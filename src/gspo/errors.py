@@ -2,7 +2,7 @@
 
 * ``UserError``: something the user can fix (config, data, paths, their reward code). The CLI
   prints its one-line message and exits ``EXIT_USAGE`` (2), without a traceback.
-* ``RewardError``: a reward source failed on a sample under ``reward.on_error: fail``; a
+* ``RewardError``: a reward source failed on a sample under ``rewards.on_error: fail``; a
   ``UserError``, so the same one line and exit code.
 * ``Interrupted``: SIGINT / SIGTERM stopped training; carries the checkpoint that was saved. The
   CLI exits ``128 + signal number`` (130 for SIGINT, 143 for SIGTERM), as a shell would.
@@ -26,7 +26,7 @@ class UserError(Exception):
 
 
 class RewardError(UserError):
-    """A reward source failed on a sample and ``reward.on_error`` is ``fail``."""
+    """A reward source failed on a sample and ``rewards.on_error`` is ``fail``."""
 
 
 class Interrupted(Exception):
@@ -49,5 +49,5 @@ class Interrupted(Exception):
 class RewardFault(Exception):
     """One sample's reward could not be computed (an exception, a hang, a non-number...).
 
-    Internal: the reward layer turns it into ``reward.on_error`` (zero, drop or a RewardError).
+    Internal: the reward layer turns it into ``rewards.on_error`` (zero, drop or a RewardError).
     """

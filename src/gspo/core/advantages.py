@@ -1,9 +1,9 @@
-"""Advantage estimators: group-relative advantages (GSPO paper Eq. 6, as GRPO) and a small registry;
-per-token GAE for PPO with a critic (`gae`, `whiten`).
+"""Advantage estimators: group-relative advantages (GSPO paper Eq. 6, as GRPO), with dropped samples
+and batch statistics, in one function; per-token GAE for PPO with a critic (`gae`, `whiten`).
 
 Rewards [N] arrive as P consecutive groups of G responses to the same prompt (N = P·G); each
-response is judged against its own group, never against the whole batch (see seeds/NOTES.md §1).
-Groups are never split across ranks, so this runs locally on each rank.
+response is judged against its own group, never against the whole batch (docs/math.md). Groups
+are never split across ranks, so only ``scale=batch`` needs the other ranks' rewards.
 
 GAE (`gae`) is a pure function of per-token rewards, critic values and the response mask; the
 critic itself, its loss and where rewards are placed live in `gspo.core.value` / `gspo.training.algorithms`.
@@ -14,43 +14,17 @@ trainer's `dynamic_sampling`), or a value model.
 
 from __future__ import annotations
 
-from typing import Callable
+import math
 
 import torch
 from torch import Tensor
 
-__all__ = ["SCALES", "available", "gae", "get", "group_advantages", "register", "whiten"]
+__all__ = ["SCALES", "gae", "group_advantages", "whiten"]
 
 SCALES = ("group", "batch", "none")
 """What centred rewards are divided by: the group's std (Eq. 6), the batch's std, nothing."""
 
-Estimator = Callable[..., Tensor]
-_REGISTRY: dict[str, Estimator] = {}
 
-
-def register(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: register an estimator `(rewards [N], group_size, **options) -> advantages [N]`."""
-
-    def decorate(fn: Estimator) -> Estimator:
-        _REGISTRY[name] = fn
-        return fn
-
-    return decorate
-
-
-def available() -> list[str]:
-    """Sorted names of the registered advantage estimators."""
-    return sorted(_REGISTRY)
-
-
-def get(name: str) -> Estimator:
-    """The estimator `name`; ValueError listing the valid names if unknown."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(available())}")
-    return _REGISTRY[name]
-
-
-@register("group")
 def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
                      eps: float = 1e-6) -> Tensor:
     """Â_i = (r_i − mean_group(r)) / (std + eps), one vectorised pass over rewards.view(P, G).
@@ -59,6 +33,12 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
     scale="batch": centre per group, divide by the Bessel-corrected std of all N rewards.
     scale="none":  centre per group only (Dr. GRPO, arXiv 2503.20783).
     A group whose rewards are all equal gets exactly 0 (no signal), whatever the scale.
+
+    A NaN reward is a dropped sample (``rewards.on_error=drop``): it gets 0 and takes no part;
+    each group's mean and std use only its remaining samples (``scale=batch``: all remaining
+    samples), and a group left with fewer than 2 has no signal. Under data parallelism the batch
+    std spans every rank: the caller passes the rewards of all ranks and keeps its own rows
+    (``gspo.training.distributed.Dist.all_rewards``).
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
@@ -68,6 +48,9 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
+    valid = torch.isfinite(rewards)                                        # [N]
+    if not bool(valid.all()):
+        return _with_dropped(rewards, valid, group_size, scale, eps)
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)  # [P, G]
     centred = r - r.mean(-1, keepdim=True)                            # [P, G] r − mean_group
     if scale == "group":
@@ -75,6 +58,26 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
     elif scale == "batch":
         centred = centred / (r.std() + eps)                           # [P, G] / (std_batch + eps)
     flat = (r == r[:, :1]).all(-1, keepdim=True)                      # [P, 1] zero-variance group
+    return torch.where(flat, torch.zeros_like(centred), centred).view(-1)  # [N]
+
+
+def _with_dropped(rewards: Tensor, valid: Tensor, group_size: int, scale: str, eps: float) -> Tensor:
+    """``group_advantages`` over the samples with ``valid`` [N] set; the others get 0."""
+    v = valid.view(-1, group_size).float()                                 # [P, G]
+    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size).float()
+    n = v.sum(-1, keepdim=True)                                            # [P, 1] remaining
+    mean = (r * v).sum(-1, keepdim=True) / n.clamp(min=1)
+    centred = (r - mean) * v                                               # [P, G]
+    if scale == "group":
+        std = ((centred ** 2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        centred = centred / (std + eps)
+    elif scale == "batch":
+        kept = rewards[valid].float()
+        std = kept.std() if kept.numel() > 1 else torch.zeros((), device=rewards.device)
+        centred = centred / (std + eps)
+    hi = torch.where(v > 0, r, torch.full_like(r, -math.inf)).amax(-1, keepdim=True)
+    lo = torch.where(v > 0, r, torch.full_like(r, math.inf)).amin(-1, keepdim=True)
+    flat = (hi == lo) | (n < 2)                                            # [P, 1] no signal
     return torch.where(flat, torch.zeros_like(centred), centred).view(-1)  # [N]
 
 

@@ -67,7 +67,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
 
 
-def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The decoder body (input ids -> last hidden state) and the output head of a causal LM."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is None or decoder is model:
@@ -115,7 +115,7 @@ def trim_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> t
 def _shared_prompt_hidden(
     decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, groups: torch.Tensor
 ) -> tuple[torch.Tensor, int, torch.Tensor] | None:
-    """`_response_hidden` running each group's prompt once: its first L-T columns for one row per
+    """`response_hidden` running each group's prompt once: its first L-T columns for one row per
     group, their KV cache gathered to every row, then the last T columns of all rows:
     (hidden [N, T, H], P, the prefix row of each row [N]).
     None when nothing is shared or the decoder's cache cannot be gathered."""
@@ -161,7 +161,7 @@ def _decoder_hidden(
     return hidden[:, -T:], 0, None  # [N, T, H]
 
 
-def _response_hidden(
+def response_hidden(
     decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int,
     groups: torch.Tensor | None = None, **forward_kwargs
 ) -> torch.Tensor:
@@ -260,7 +260,7 @@ def response_logprobs(
     not under routing replay, which forces the experts of every row and column of one forward.
     """
     T = _check_layout(input_ids, response_mask)
-    decoder, head = _decoder_and_head(model)
+    decoder, head = decoder_and_head(model)
     L, a, b, T_kept = input_ids.shape[1], 0, input_ids.shape[1], 0
     if trim and not forward_kwargs:  # per-position kwargs (MoE routing replay) need every column
         a, b, T_kept = trim_columns(attention_mask, response_mask)

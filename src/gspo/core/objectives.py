@@ -215,7 +215,7 @@ def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask > 0, d, torch.zeros_like(d))
 
 
-def _guard(log_ratio: Tensor) -> tuple[Tensor, Tensor]:
+def clamp_log_ratio(log_ratio: Tensor) -> tuple[Tensor, Tensor]:
     """Clamp a log-ratio to ±LOG_RATIO_LIMIT before exp (overflow guard) and count the clamps."""
     n_clamped = (log_ratio.detach().abs() > LOG_RATIO_LIMIT).sum().to(log_ratio.dtype)
     return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), n_clamped
@@ -273,7 +273,7 @@ def gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     """
     adv = _check(logp, old_logp, advantages, mask, per_token=False)           # [N] Â_i
     log_r = _log_ratio(logp, old_logp, mask)                                  # [N, T] log r_it
-    log_s, n_clamped = _guard(masked_mean(log_r, mask, dim=-1))               # [N] log s_i (Eq. 7)
+    log_s, n_clamped = clamp_log_ratio(masked_mean(log_r, mask, dim=-1))               # [N] log s_i (Eq. 7)
     s = torch.exp(log_s)                                                      # [N] s_i
     s_clip = s.clamp(1 - eps_low, 1 + eps_high)                               # [N] clip(s_i)
     loss_i = -torch.minimum(s * adv, s_clip * adv)                            # [N] ℓ_i (Eq. 5)
@@ -300,7 +300,7 @@ def gspo_token(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     """
     adv = _check(logp, old_logp, advantages, mask, per_token=True)            # [N, T] Â_it
     log_r = _log_ratio(logp, old_logp, mask)                                  # [N, T] log r_it
-    log_s, n_clamped = _guard(masked_mean(log_r, mask, dim=-1).detach())      # [N] sg[log s_i]
+    log_s, n_clamped = clamp_log_ratio(masked_mean(log_r, mask, dim=-1).detach())      # [N] sg[log s_i]
     lp = logp.to(log_r.dtype)
     live = torch.where(mask > 0, lp - lp.detach(), torch.zeros_like(lp))      # [N, T] logp − sg[logp]
     s_tok = torch.exp(log_s[:, None] + live)                                  # [N, T] s_it (Eq. 14)
@@ -331,7 +331,7 @@ def grpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     """
     adv = _check(logp, old_logp, advantages, mask, per_token=True)            # [N, T] Â_it
     raw = _log_ratio(logp, old_logp, mask)                                    # [N, T] log r_it
-    log_r, n_clamped = _guard(raw)                                            # [N, T] overflow guard
+    log_r, n_clamped = clamp_log_ratio(raw)                                            # [N, T] overflow guard
     r = torch.exp(log_r)                                                      # [N, T] r_it
     r_clip = r.clamp(1 - eps_low, 1 + eps_high)                               # [N, T] clip(r_it)
     loss_t = -torch.minimum(r * adv, r_clip * adv)                            # [N, T] ℓ_it
@@ -379,7 +379,7 @@ def sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     """
     adv = _check(logp, old_logp, advantages, mask, per_token=True)            # [N, T] Â_it
     raw = _log_ratio(logp, old_logp, mask)                                    # [N, T] log r_it
-    log_r, n_clamped = _guard(raw)
+    log_r, n_clamped = clamp_log_ratio(raw)
     r = torch.exp(log_r)                                                      # [N, T] r_it
     tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # [N, T] τ_it
     gate = torch.sigmoid(tau * (r - 1)) * 4 / tau                             # [N, T] f_it(r_it)
@@ -408,7 +408,7 @@ def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     """
     adv = _check(logp, old_logp, advantages, mask, per_token=True)            # [N, T] Â_it
     raw = _log_ratio(logp, old_logp, mask)                                    # [N, T] log r_it
-    log_r, n_clamped = _guard(raw)
+    log_r, n_clamped = clamp_log_ratio(raw)
     r = torch.exp(log_r)                                                      # [N, T] r_it
     weight = r.clamp(1 - eps_low, 1 + eps_high).detach()                      # [N, T] ŵ_it
     lp = logp.to(r.dtype)
@@ -440,10 +440,10 @@ def gmpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     log_r = _log_ratio(logp, old_logp, mask)                                  # [N, T] log r_it
     a = adv[:, None].expand(log_r.shape)                                      # [N, T] Â_i per token
     log_rho = torch.where(a > 0, log_r.clamp(max=eps_high), log_r.clamp(min=-eps_low))  # [N, T] log ρ̃
-    log_g, n_clamped = _guard(masked_mean(log_rho, mask, dim=-1))             # [N] log G_i
+    log_g, n_clamped = clamp_log_ratio(masked_mean(log_rho, mask, dim=-1))             # [N] log G_i
     loss_i = -adv * torch.exp(log_g)                                          # [N] ℓ_i = −Â_i G_i
     loss = aggregate(loss_i, mask, aggregation, num_seqs=num_seqs, num_tokens=num_tokens,
                      token_sum_norm=token_sum_norm)
     low, high = _sign_gated(log_r, a, -eps_low, eps_high)                     # [N, T]
-    s = torch.exp(_guard(masked_mean(log_r, mask, dim=-1))[0])                # [N] s_i, unclipped
+    s = torch.exp(clamp_log_ratio(masked_mean(log_r, mask, dim=-1))[0])                # [N] s_i, unclipped
     return loss, _stats(s, low, high, log_r, mask, n_clamped)

@@ -20,7 +20,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from gspo.core.logprobs import _decoder_and_head, _response_hidden
+from gspo.core.logprobs import decoder_and_head, response_hidden
 
 __all__ = ["Critic", "explained_variance", "value_loss"]
 
@@ -39,7 +39,7 @@ class Critic(nn.Module):
     @classmethod
     def from_policy(cls, policy: nn.Module) -> "Critic":
         """A critic whose decoder is a copy of ``policy``'s (same weights, separate parameters)."""
-        decoder, _ = _decoder_and_head(policy)
+        decoder, _ = decoder_and_head(policy)
         config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") \
             else policy.config
         critic = cls(copy.deepcopy(decoder), config.hidden_size)
@@ -48,7 +48,7 @@ class Critic(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
         """Values of the T response positions: [N, T] float32, 0 where response_mask is 0."""
         T = response_mask.shape[1]
-        hidden = _response_hidden(self.decoder, input_ids, attention_mask, T)   # [N, T, H]
+        hidden = response_hidden(self.decoder, input_ids, attention_mask, T)   # [N, T, H]
         values = self.head(hidden.float()).squeeze(-1)                            # [N, T] V(s_t)
         return torch.where(response_mask > 0, values, torch.zeros_like(values))
 

@@ -61,6 +61,17 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 PRESETS: dict[str, Callable[..., PretrainedConfig]] = {}
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""model.dtype names -> torch dtypes."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """model.device: cpu | cuda | cuda:N, or auto (cuda when available)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def register_preset(name: str):
     def wrap(fn: Callable[[int], PretrainedConfig]):
         PRESETS[name] = fn

@@ -60,7 +60,7 @@ def length_slices(lengths: Tensor, rewards: Tensor, correct: Tensor, logp: Tenso
         keys += [f"{key}/accuracy", f"{key}/clip_frac", f"{key}/ratio"]
         values += [correct[rows].float().mean(), stats["clip_frac_tokens"], stats["ratio_mean"]]
         scored = rewards[rows].float()
-        scored = scored[scored.isfinite()]  # NaN: dropped by reward.on_error=drop (not scored)
+        scored = scored[scored.isfinite()]  # NaN: dropped by rewards.on_error=drop (not scored)
         if len(scored):
             keys.append(f"{key}/reward")
             values.append(scored.mean())

@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from gspo.observe.diagnostics import plot_length_slices  # noqa: E402
-from gspo.training.stability import event_table, read_events  # noqa: E402
+from gspo.observe.stability_rules import event_table, read_events  # noqa: E402
 from gspo.observe.metrics import read_metrics  # noqa: E402
 from gspo.observe.timing import PARTS  # noqa: E402
 

@@ -1,23 +1,24 @@
 """Reward fault isolation: a reward call that fails costs one sample, never the run, unless asked.
 
-A reward source fails on a sample when it raises, hangs past ``reward.timeout_s``, or returns
-None, a non-number, NaN or Inf. ``GuardedReward`` scores each sample separately for sources that
+A reward source fails on a sample when it raises, hangs past ``rewards.timeout_s``, or returns
+None, a non-number, NaN or Inf. ``IsolatedReward`` scores each sample separately for sources that
 allow it (verifiers and functions; a reward model scores the batch, and fails as a batch),
-collects the failures and applies ``reward.on_error``:
+collects the failures and applies ``rewards.on_error``:
 
 * ``fail`` (default): ``RewardError`` naming the source, the sample, its prompt and completion;
 * ``zero``: the failed source scores 0 for that sample;
-* ``drop``: the sample's total reward is NaN. ``advantages_with_drops`` gives it advantage 0,
-  normalises the rest of its group among themselves (a group left with fewer than 2 samples has
-  no signal) and zeroes its response mask, so it leaves the loss exactly as a response dropped by
-  ``train.mask_truncated`` does; the loss normalisers count only the remaining responses.
+* ``drop``: the sample's total reward is NaN. ``gspo.core.advantages.group_advantages`` gives it
+  advantage 0 and normalises the rest of its group among themselves (a group left with fewer than
+  2 samples has no signal), and the training step takes it out of the loss mask, so it leaves the
+  loss exactly as a response dropped by ``train.mask_truncated`` does; the loss normalisers count
+  only the remaining responses.
 
 Either way the number of failed samples is logged per step as ``reward/errors``.
 
 Timeouts run the call in a worker thread; a call still running after the timeout is abandoned
-(Python cannot kill a thread) and a fresh worker takes the next call. At most ``reward.max_hung``
+(Python cannot kill a thread) and a fresh worker takes the next call. At most ``rewards.max_hung``
 such threads are tolerated per run. Code that can hang or that executes model output belongs in
-``reward.sandbox`` (``gspo.rewards.sandbox``: a killable, limited process). This module does not decide
+``rewards.sandbox`` (``gspo.rewards.sandbox``: a killable, limited process). This module does not decide
 what a reward means, and never retries.
 """
 
@@ -31,11 +32,34 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gspo.core.advantages import group_advantages
 from gspo.errors import RewardError, RewardFault
+from gspo.rewards.sandbox import Limits
+from gspo.rewards.sources import CombinedReward, RewardResult, build_rewards
 from gspo.tasks.base import reward_value
 
 MAX_LOGGED = 5  # failure messages printed per reward source and run (all are counted)
+SANDBOX_GRACE_S = 5.0  # in-process timeout beyond the sandbox's own wall limit, so it acts first
+
+
+def sandbox_limits(policy) -> Limits | None:
+    """The sandbox's limits from the ``rewards`` config section (None: no sandbox)."""
+    if not policy.sandbox:
+        return None
+    return Limits(wall_s=policy.timeout_s, cpu_s=policy.sandbox_cpu_s,
+                  memory_mb=policy.sandbox_memory_mb)
+
+
+def isolation_options(policy) -> dict:
+    """IsolatedTask / IsolatedReward keywords from the ``rewards`` config section."""
+    timeout = policy.timeout_s + (SANDBOX_GRACE_S if policy.sandbox else 0.0)
+    return {"on_error": policy.on_error, "timeout_s": timeout, "max_hung": policy.max_hung}
+
+
+def isolated_rewards(policy, task) -> "IsolatedReward":
+    """The run's reward: the sources of ``policy.sources`` (the ``rewards`` config section),
+    function sources in the sandbox when ``policy.sandbox``, each sample isolated."""
+    specs = [s.model_dump() for s in policy.sources]
+    return IsolatedReward(build_rewards(specs, task, sandbox_limits(policy)), **isolation_options(policy))
 
 
 @dataclass
@@ -110,9 +134,9 @@ class TimedCaller:
         self.hung += 1
         if self.hung > self.max_hung:
             raise RewardError(
-                f"reward calls hung {self.hung} times (reward.timeout_s={self.timeout_s:g}); each "
+                f"reward calls hung {self.hung} times (rewards.timeout_s={self.timeout_s:g}); each "
                 f"leaves a thread running, so the run stops here. Fix the reward function or set "
-                f"reward.sandbox=true to run it in a process that can be killed")
+                f"rewards.sandbox=true to run it in a process that can be killed")
         return RewardFault(f"timed out after {self.timeout_s:g} s")
 
 
@@ -139,7 +163,7 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
-class GuardedSource:
+class IsolatedSource:
     """One reward source scored sample by sample (or as a batch), failures as (index, reason)."""
 
     def __init__(self, source, caller: TimedCaller):
@@ -175,15 +199,15 @@ class GuardedSource:
         return values, faults
 
 
-class GuardedReward:
+class IsolatedReward:
     """``CombinedReward`` with per-sample fault isolation and the ``on_error`` policy."""
 
-    def __init__(self, combined, *, on_error: str = "fail", timeout_s: float | None = 30.0,
+    def __init__(self, combined: CombinedReward, *, on_error: str = "fail", timeout_s: float | None = 30.0,
                  max_hung: int = 8, log=None):
         if on_error not in ("fail", "zero", "drop"):
-            raise ValueError(f"reward.on_error must be fail, zero or drop; got {on_error!r}")
+            raise ValueError(f"rewards.on_error must be fail, zero or drop; got {on_error!r}")
         self.caller = TimedCaller(timeout_s, max_hung)
-        self.sources = [(GuardedSource(s, self.caller), w) for s, w in combined.sources]
+        self.sources = [(IsolatedSource(s, self.caller), w) for s, w in combined.sources]
         self.on_error = on_error
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.logged: dict[str, int] = {}
@@ -193,7 +217,6 @@ class GuardedReward:
         return {s.name: w for s, w in self.sources}
 
     def __call__(self, completions: list[str], examples: list):
-        from gspo.rewards.sources import RewardResult
         n = len(completions)
         if len(examples) != n:
             raise ValueError(f"got {n} completions but {len(examples)} examples")
@@ -219,16 +242,16 @@ class GuardedReward:
         what = (f"reward {name!r} failed on sample {i} (prompt {example.prompt[:60]!r}, "
                 f"completion {completion[:60]!r}): {reason}")
         if self.on_error == "fail":
-            raise RewardError(f"{what}. reward.on_error=fail: fix the reward, or set "
-                              f"reward.on_error=zero or drop to continue past such samples")
+            raise RewardError(f"{what}. rewards.on_error=fail: fix the reward, or set "
+                              f"rewards.on_error=zero or drop to continue past such samples")
         self.logged[name] = self.logged.get(name, 0) + 1
         if self.logged[name] <= MAX_LOGGED:
             last = " (further failures of this source are only counted, in reward/errors)" \
                 if self.logged[name] == MAX_LOGGED else ""
-            self.log(f"warning: {what}; reward.on_error={self.on_error}{last}")
+            self.log(f"warning: {what}; rewards.on_error={self.on_error}{last}")
 
 
-class GuardedTask:
+class IsolatedTask:
     """A task whose ``reward`` / ``is_correct`` (user code for a custom task) cannot stall or crash
     evaluation: a failure scores 0 / incorrect, or raises RewardError under ``on_error=fail``."""
 
@@ -260,7 +283,7 @@ class GuardedTask:
         if self.on_error == "fail":
             raise RewardError(f"task {self.inner.name!r} {what} failed (prompt "
                               f"{example.prompt[:60]!r}, completion {completion[:60]!r}): "
-                              f"{describe(error)}. reward.on_error=fail") from None
+                              f"{describe(error)}. rewards.on_error=fail") from None
         return failed
 
     def reward(self, completion: str, example) -> float:
@@ -278,47 +301,7 @@ class GuardedTask:
 
 
 def correct_all(task, completions: list[str], examples: list) -> list[bool]:
-    """``task.is_correct`` of each sample; a ``GuardedTask`` hands the batch to its worker at once."""
-    if isinstance(task, GuardedTask):
+    """``task.is_correct`` of each sample; a ``IsolatedTask`` hands the batch to its worker at once."""
+    if isinstance(task, IsolatedTask):
         return task.is_correct_all(completions, examples)
     return [bool(task.is_correct(c, ex)) for c, ex in zip(completions, examples)]
-
-
-def masked_group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "group",
-                            eps: float = 1e-6) -> torch.Tensor:
-    """``group_advantages`` where NaN rewards (dropped samples) take no part and get 0.
-
-    Without NaN this is exactly ``group_advantages``. With some, each group's mean and
-    Bessel-corrected std use only its remaining samples (``scale=batch``: all remaining samples);
-    a group left with fewer than 2, or with equal rewards, has no signal.
-    """
-    valid = torch.isfinite(rewards)                                        # [N]
-    if bool(valid.all()):
-        return group_advantages(rewards, group_size, scale=scale, eps=eps)
-    v = valid.view(-1, group_size).float()                                 # [P, G]
-    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size).float()
-    n = v.sum(-1, keepdim=True)                                            # [P, 1] remaining
-    mean = (r * v).sum(-1, keepdim=True) / n.clamp(min=1)
-    centred = (r - mean) * v                                               # [P, G]
-    if scale == "group":
-        std = ((centred ** 2).sum(-1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
-        centred = centred / (std + eps)
-    elif scale == "batch":
-        kept = rewards[valid].float()
-        std = kept.std() if kept.numel() > 1 else torch.zeros((), device=rewards.device)
-        centred = centred / (std + eps)
-    hi = torch.where(v > 0, r, torch.full_like(r, -math.inf)).amax(-1, keepdim=True)
-    lo = torch.where(v > 0, r, torch.full_like(r, math.inf)).amin(-1, keepdim=True)
-    flat = (hi == lo) | (n < 2)                                            # [P, 1] no signal
-    return torch.where(flat, torch.zeros_like(centred), centred).view(-1)  # [N]
-
-
-def advantages_with_drops(batch, rewards: torch.Tensor, group_size: int, *, scale: str = "group",
-                          eps: float = 1e-6) -> torch.Tensor:
-    """``masked_group_advantages`` [N]; with dropped samples (NaN rewards) also marks them in
-    ``batch.extras["dropped"]`` [N] bool, which the trainer removes from the loss mask (the
-    response mask itself stays as generated)."""
-    dropped = ~torch.isfinite(rewards)                                     # [N]
-    if bool(dropped.any()):
-        batch.extras["dropped"] = dropped
-    return masked_group_advantages(rewards, group_size, scale=scale, eps=eps)

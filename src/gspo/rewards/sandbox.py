@@ -4,7 +4,7 @@ limits and no network: for reward code that executes model-written text.
 None of the built-in rewards executes model output: ``countdown`` parses completions with ``ast``
 against a whitelist and evaluates them exactly with ``Fraction``; the others compare strings. A
 user function that runs generated code (``exec``, ``subprocess``, a Python interpreter...) should
-be configured with ``reward.sandbox: true``; it then runs here.
+be configured with ``rewards.sandbox: true``; it then runs here.
 
 ``SandboxedFunction("module:function", limits)`` is called like the function,
 ``fn(completion, **row)``. One worker process (``python -m gspo.rewards.sandbox``) imports the function

@@ -3,9 +3,9 @@
 A `RewardSource` maps (completions, examples) to one float per completion. `CombinedReward`
 sums weighted sources into `RewardResult(total [N], per_source {name: [N]})`, the per-source
 values unweighted so they can be logged as `reward/<name>`. `build_rewards(specs, task)` builds
-one from config dicts through a registry of source types; given the `reward:` policy it returns a
-`gspo.rewards.isolation.GuardedReward` (per-sample timeouts, error policy, optional sandbox). This module
-does not normalise rewards (advantages do that).
+one from config dicts through a registry of source types (function sources optionally in the
+sandbox). Per-sample timeouts and the error policy wrap it in `gspo.rewards.isolation`. This
+module does not normalise rewards (advantages do that).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from gspo.tasks import Example, Task
 from gspo.tasks.base import call_kwargs, to_reward
+from gspo.rewards.sandbox import Limits, SandboxedFunction
 from gspo.tasks.custom import load_function
 
 
@@ -38,13 +39,13 @@ class RewardResult:
 
     total: torch.Tensor  # [N] float32, sum_k weight_k * per_source[k]
     per_source: dict[str, torch.Tensor]  # name -> [N] float32, unweighted
-    errors: torch.Tensor | None = None  # [N] bool: a source failed on this sample (GuardedReward)
+    errors: torch.Tensor | None = None  # [N] bool: a source failed on this sample (IsolatedReward)
 
 
 class VerifierReward:
     """The task's own verifier, `task.reward(completion, example)`."""
 
-    per_sample = True  # GuardedReward may call it one completion at a time
+    per_sample = True  # IsolatedReward may call it one completion at a time
 
     def __init__(self, task: Task, *, name: str = "verifier"):
         self.task, self.name = task, name
@@ -182,7 +183,7 @@ def source_types() -> list[str]:
 def _verifier(task: Task | None, *, name: str = "verifier") -> RewardSource:
     if task is None:
         raise ValueError("reward type 'verifier' needs a task")
-    while hasattr(task, "inner"):  # the raw task: failures must reach GuardedReward, not be absorbed
+    while hasattr(task, "inner"):  # the raw task: failures must reach IsolatedReward, not be absorbed
         task = task.inner
     return VerifierReward(task, name=name)
 
@@ -206,37 +207,26 @@ def _model(
     return ModelReward(path, name=name, batch_size=batch_size, device=device, label=label, max_length=max_length)
 
 
-def build_rewards(specs: list[dict], task: Task | None = None, policy=None):
+def build_rewards(specs: list[dict], task: Task | None = None, sandbox: Limits | None = None
+                  ) -> CombinedReward:
     """Build a `CombinedReward` from dicts like `{"type": "function", "fn": "m:f", "weight": 0.5}`.
 
-    `policy` (config `reward:`, a `RewardPolicy`): wrap it in a `GuardedReward`; with
-    `policy.sandbox`, function sources run in `gspo.rewards.sandbox` and are never imported here.
+    `sandbox` (`rewards.sandbox`): function sources run in a `gspo.rewards.sandbox` worker with
+    these limits and are never imported here. Per-sample isolation (timeouts, the on_error
+    policy) is `gspo.rewards.isolation.IsolatedReward`'s, around the result.
     """
     sources = []
     for i, spec in enumerate(specs):
         spec = {k: v for k, v in spec.items() if v is not None}  # None: unset (a config's blank field)
         kind, weight = spec.pop("type", None), spec.pop("weight", 1.0)
         if kind not in _SOURCE_TYPES:
-            raise ValueError(f"rewards[{i}]: unknown reward type {kind!r}; valid types: {', '.join(source_types())}")
+            raise ValueError(f"rewards.sources[{i}]: unknown reward type {kind!r}; valid types: {', '.join(source_types())}")
         builder = _SOURCE_TYPES[kind]
-        call_kwargs(builder, spec, what=f"rewards[{i}] (type {kind!r})", args=(task,))
+        call_kwargs(builder, spec, what=f"rewards.sources[{i}] (type {kind!r})", args=(task,))
         try:
-            if kind == "function" and policy is not None and policy.sandbox:
-                from gspo.rewards.sandbox import SandboxedFunction
-                spec["fn"] = SandboxedFunction(spec["fn"], sandbox_limits(policy))
+            if kind == "function" and sandbox is not None:
+                spec["fn"] = SandboxedFunction(spec["fn"], sandbox)
             sources.append((builder(task, **spec), weight))
         except ValueError as err:
-            raise ValueError(f"rewards[{i}] (type {kind!r}): {err}") from err
-    combined = CombinedReward(sources)
-    if policy is None:
-        return combined
-    from gspo.rollout.data import guard_options
-    from gspo.rewards.isolation import GuardedReward
-    return GuardedReward(combined, **guard_options(policy))
-
-
-def sandbox_limits(policy):
-    """`gspo.rewards.sandbox.Limits` from the `reward:` config section."""
-    from gspo.rewards.sandbox import Limits
-    return Limits(wall_s=policy.timeout_s, cpu_s=policy.sandbox_cpu_s,
-                  memory_mb=policy.sandbox_memory_mb)
+            raise ValueError(f"rewards.sources[{i}] (type {kind!r}): {err}") from err
+    return CombinedReward(sources)

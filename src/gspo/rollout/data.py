@@ -13,32 +13,33 @@ listed in ``task.data_report`` (logged, and written to summary.json under ``data
 empty is an error either way. JSONL parse errors (bad JSON, missing or empty prompt, wrong types)
 are found by ``tasks.custom`` under the same policy and land in the same report.
 
-The returned task also guards ``reward`` / ``is_correct`` (``gspo.rewards.isolation.GuardedTask``).
+The returned task also guards ``reward`` / ``is_correct`` (``gspo.rewards.isolation.IsolatedTask``).
 This module reads and checks data; it does not generate or transform it.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
 
+from transformers import AutoConfig, AutoTokenizer
+
+from gspo import tasks
 from gspo.errors import UserError
-from gspo.rewards.isolation import GuardedTask
+from gspo.models.presets import build_char_tokenizer, preset_config
+from gspo.rewards.isolation import IsolatedTask, isolation_options, sandbox_limits
+from gspo.rewards.sandbox import SandboxedFunction
 from gspo.tasks import Example, TaskDataError
 from gspo.tasks.base import SPLITS, pick_split
 
-SANDBOX_GRACE_S = 5.0  # in-process timeout beyond the sandbox's own wall limit, so it acts first
 MAX_LISTED = 20  # skipped examples listed by name in the report (all are counted)
 
 
 def tokenizer_and_context(cfg):
     """The tokenizer the policy will use and its context length, without building the model."""
     if cfg.model.path:
-        from transformers import AutoConfig, AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
         config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     else:
-        from gspo.models.presets import build_char_tokenizer, preset_config
         tokenizer = build_char_tokenizer()
         config = preset_config(cfg.model.preset, len(tokenizer), cfg.model.overrides)
     return tokenizer, getattr(config, "max_position_embeddings", None)
@@ -76,7 +77,7 @@ def example_problems(examples: list[Example], tokenizer, context: int | None,
     return problems
 
 
-class CheckedTask(GuardedTask):
+class CheckedTask(IsolatedTask):
     """A guarded task whose splits hold only the examples that passed the checks."""
 
     def __init__(self, task, splits: dict[str, list[Example]], report: dict, **guard):
@@ -134,7 +135,7 @@ def prepare_task(task, cfg, log=None) -> CheckedTask:
             f"{parsed} unparsable rows, {counts['train']['skipped']} train / "
             f"{counts['test']['skipped']} test examples failing the tokenizer/context check); "
             f"first: {listed[0]} (counts and the first {MAX_LISTED} in summary.json, 'data')")
-    return CheckedTask(task, splits, report, **guard_options(cfg.reward))
+    return CheckedTask(task, splits, report, **isolation_options(cfg.rewards))
 
 
 def eval_examples(task, cfg) -> list[Example]:
@@ -147,28 +148,19 @@ def eval_examples(task, cfg) -> list[Example]:
     return examples[:cfg.eval.n] if cfg.eval.n else examples
 
 
-def guard_options(policy) -> dict:
-    """GuardedTask / GuardedReward keywords from the ``reward:`` config section."""
-    timeout = policy.timeout_s + (SANDBOX_GRACE_S if policy.sandbox else 0.0)
-    return {"on_error": policy.on_error, "timeout_s": timeout, "max_hung": policy.max_hung}
-
-
 DEFAULT_N_VAL = 200  # validation prompts a built-in task draws when eval.split=validation
 
 
 def build_task(cfg) -> CheckedTask:
     """The configured task, its data checked (``prepare_task``)."""
-    from gspo import tasks
     t = cfg.task
     if t.name == "custom":
-        sandbox = None
-        if cfg.reward.sandbox:
-            from gspo.rewards.sources import sandbox_limits
-            sandbox = asdict(sandbox_limits(cfg.reward))
+        limits = sandbox_limits(cfg.rewards)         # rewards.sandbox: the task's reward too
         task = tasks.build("custom", train_file=t.train_file, test_file=t.test_file,
                            validation_file=t.validation_file,
                            reward=t.reward, correct_threshold=t.correct_threshold,
-                           on_error=cfg.data.on_error, sandbox=sandbox)
+                           on_error=cfg.data.on_error,
+                           reward_fn=None if limits is None else SandboxedFunction(t.reward, limits))
     else:
         n_val = t.n_val if t.n_val is not None else DEFAULT_N_VAL if cfg.eval.split == "validation" else 0
         sizes = {k: v for k, v in (("n_train", t.n_train), ("n_test", t.n_test)) if v is not None}

@@ -5,9 +5,10 @@ string `answer` (the SFT demonstration); every other column goes to `Example.dat
 `module:function`, imported from the working directory or PYTHONPATH, called as
 `fn(completion, **row)` with `row` = all columns, prompt and answer included; `is_correct` is
 `reward >= correct_threshold`. Bad data raises `TaskDataError` naming file and line, or with
-`on_error="skip"` is left out and listed in `skipped` ("file:line: reason"). With `sandbox`, the
-function runs in a limited worker process (`gspo.rewards.sandbox`) and is never imported here. Timeouts
-and error policies are the reward layer's business (`gspo.rewards.isolation`).
+`on_error="skip"` is left out and listed in `skipped` ("file:line: reason"). Given `reward_fn`
+(e.g. the function in a limited worker process, `gspo.rewards.sandbox`, as `rewards.sandbox` asks)
+the function is called through it and never imported here. Timeouts and error policies are the
+reward layer's business (`gspo.rewards.isolation`).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class Custom:
     name = "custom"
 
     def __init__(self, train_file: str, test_file: str, reward: str, correct_threshold: float = 1.0,
-                 on_error: str = "fail", sandbox: dict | None = None, validation_file: str | None = None):
+                 on_error: str = "fail", reward_fn=None, validation_file: str | None = None):
         """
         train_file, test_file: JSONL paths, one {"prompt": ..., "answer": ..., ...} object a line.
         validation_file: optional JSONL path of the same format, for choosing hyper-parameters
@@ -113,7 +114,8 @@ class Custom:
         reward: "module:function", called as fn(completion, **row) -> float.
         correct_threshold: a completion counts as correct when its reward is >= this.
         on_error: a bad row fails (TaskDataError) or is skipped (listed in `skipped`).
-        sandbox: None (import and call in-process) or gspo.rewards.sandbox.Limits fields (a worker process).
+        reward_fn: None (import `reward` and call it in-process) or a callable that stands for it
+            (e.g. gspo.rewards.sandbox.SandboxedFunction(reward, limits): a worker process).
         """
         self._splits, self.locations, self.skipped = {"validation": []}, {"validation": []}, []
         files = {"train": train_file, "test": test_file, "validation": validation_file}
@@ -126,9 +128,8 @@ class Custom:
         if overlap:
             warnings.warn(f"custom task: {len(overlap)} prompt(s) appear in both {train_file} and {test_file}")
         self.reward_spec = reward
-        if sandbox is not None:
-            from gspo.rewards.sandbox import Limits, SandboxedFunction
-            self._fn = SandboxedFunction(reward, Limits(**sandbox))
+        if reward_fn is not None:
+            self._fn = reward_fn
         else:
             try:
                 self._fn = load_function(reward)

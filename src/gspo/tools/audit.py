@@ -1,167 +1,49 @@
-"""Rollout records and their offline audit: prove masks, ratios, clipping and loss after the fact.
+"""The offline audit: prove masks, ratios, clipping and loss of recorded steps after the fact.
 
-Training (``audit.every: K``) writes, for every K-th RL step, ``RUN/audit/step_NNNNNN/``::
-
-    batch.safetensors   token ids, masks, rewards, advantages, π_old log-probs, the log-probs
-                        each row was trained on, π_new log-probs, per-row ratio and clip share
-                        as the objective computed them, minibatch of each row (+ generator
-                        log-probs, MoE routing when present)
-    record.json         objective + resolved hyper-parameters + aggregation, sampling
-                        parameters, seeds, minibatch losses, the step's logged metrics, prompts
-    policy_old/         π_old (the model before this step's updates): a transformers checkpoint
-    policy_new/         π_new (right after them, before the guard looked at the step)
-
-``gspo audit RUN_DIR [--step N]`` reloads both policies and recomputes, with code independent of
-the trainer where it matters: the mask / EOS / padding invariants, rewards (re-scored) and
+``gspo audit RUN_DIR [--step N]`` reads the records training wrote (``audit.every: K``; format in
+``gspo.observe.records``), reloads π_old and π_new and recomputes, with code independent of the
+trainer where it matters: the mask / EOS / padding invariants, rewards (re-scored) and
 advantages, π_old and π_new log-probs, GSPO's log s_i = mean of token log-ratios, the clip
 decisions, and the loss of every minibatch. It prints a table and exits 0 when all agree within
-tolerance, 1 otherwise, naming the step and the field. Tensors only through safetensors, the rest
-JSON: nothing is pickled. It is not a replay of training (the optimizer is not re-run).
+tolerance, 1 otherwise, naming the step and the field. It is not a replay of training (the
+optimizer is not re-run).
 
 Shapes: N sequences, T response positions, L prompt + response columns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
+from gspo.config import load_config
 from gspo.core import objectives
-from gspo.rewards.isolation import masked_group_advantages
-from gspo.models.presets import save_model
+from gspo.core.advantages import group_advantages
+from gspo.core.logprobs import response_logprobs
+from gspo.errors import UserError
+from gspo.models import moe
+from gspo.models.presets import DTYPES, load_model
+from gspo.observe.records import list_records, record_dir
+from gspo.rewards.sources import build_rewards
+from gspo.rollout.data import build_task
+from gspo.rollout.generate import SamplingParams, decode, generate
+from gspo.tasks import Example
 
-FORMAT = 1
-AUDIT_DIR = "audit"
-PREFIX = "step_"
 EXIT_MISMATCH = 1
-
-
-def record_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / AUDIT_DIR / f"{PREFIX}{step:06d}"
-
-
-def list_records(run_dir: str | Path) -> list[int]:
-    root = Path(run_dir) / AUDIT_DIR
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name[len(PREFIX):]) for p in root.iterdir()
-                  if p.is_dir() and p.name.startswith(PREFIX) and (p / "record.json").is_file())
-
-
-# ----------------------------------------------------------------------------- recording
-
-class Recorder:
-    """Writes the audit record of every ``every``-th RL step (the trainer calls begin / finish)."""
-
-    def __init__(self, every: int, run_dir: str | Path):
-        self.every, self.run_dir = every, Path(run_dir)
-
-    def due(self, step: int) -> bool:
-        """``step`` 0-based; records are named by the logged (1-based) step."""
-        return self.every > 0 and (step + 1) % self.every == 0
-
-    def _tmp(self, step: int) -> Path:
-        final = record_dir(self.run_dir, step + 1)
-        return final.with_name(f".{final.name}.tmp")
-
-    def begin(self, trainer, step: int) -> None:
-        """Before the updates: save π_old."""
-        if not self.due(step):
-            return
-        tmp = self._tmp(step)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_model(trainer.model, trainer.tokenizer, tmp / "policy_old")
-
-    @torch.no_grad()
-    def finish(self, trainer, step: int, batch, rewards: Tensor, advantages: Tensor,
-               old_logp: Tensor, record: dict, metrics: dict) -> None:
-        """After the updates: save π_new, the batch and what the trainer computed, then publish."""
-        if not self.due(step):
-            return
-        tmp, cfg = self._tmp(step), trainer.cfg
-        save_model(trainer.model, trainer.tokenizer, tmp / "policy_new")
-        was_training = trainer.model.training
-        trainer.model.eval()
-        with trainer.routing_context(batch):
-            new_logp = trainer._logprobs(trainer.model, batch, with_entropy=False).logp   # [N, T]
-        trainer.model.train(was_training)
-        kwargs = trainer.objective_kwargs(0)
-        ratio, clip = per_row_stats(trainer.objective, record["logp"], old_logp, advantages,
-                                    record["mask"], kwargs)
-        tensors = {
-            "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-            "response_mask": batch.response_mask, "truncated": batch.truncated,
-            "lengths": batch.lengths, "rewards": rewards, "advantages": advantages,
-            "old_logp": old_logp, "loss_mask": record["mask"], "used_logp": record["logp"],
-            "minibatch": record["minibatch"], "new_logp": new_logp,
-            "row_ratio": ratio, "row_clip_frac": clip,
-        }
-        if batch.rollout_logp is not None:
-            tensors["rollout_logp"] = batch.rollout_logp
-        if "routing" in batch.extras:
-            tensors["routing"] = batch.extras["routing"]
-        if "dropped" in batch.extras:  # reward.on_error=drop: rows left out of the loss
-            tensors["dropped"] = batch.extras["dropped"]
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()},
-                  str(tmp / "batch.safetensors"))
-        spec = trainer.spec
-        meta = {
-            "format": FORMAT, "step": step + 1, "run_seed": cfg.seed,
-            "objective": {"name": spec.name, "sequence_level": spec.sequence_level,
-                          "kwargs": {**dict(spec.defaults), **kwargs}},
-            "token_aggregation": trainer.token_aggregation(),
-            "train": {k: getattr(cfg.train, k) for k in
-                      ("old_logprobs", "mask_truncated", "minibatches", "beta", "entropy_coef",
-                       "logprob_chunk")},
-            "advantage": {"scale": cfg.advantage.scale, "eps": cfg.advantage.eps,
-                          "group_size": cfg.rollout.group_size},
-            "moe": cfg.moe.model_dump(),
-            "sampling": asdict(trainer.sampling),
-            "seeds": {"generation": trainer.rollout_seed(step, 0),
-                      "refill_rounds": int(metrics.get("reward/refill_rounds", 0)),
-                      "dynamic_sampling": cfg.train.dynamic_sampling,
-                      "minibatch": trainer.minibatch_seed(step)},
-            "tokens": {"eos_id": trainer.tokenizer.eos_token_id,
-                       "pad_id": trainer.tokenizer.pad_token_id},
-            "policy_old": "policy_old", "policy_new": "policy_new",
-            "minibatch_loss": [float(x) for x in record["loss"]],
-            "logged": {k: v for k, v in metrics.items()
-                       if isinstance(v, (int, float)) and math.isfinite(v)},
-            "completions": batch.completions,
-            "examples": [{"prompt": e.prompt, "answer": e.answer, "data": e.data}
-                         for e in batch.examples],
-        }
-        (tmp / "record.json").write_text(json.dumps(meta, indent=1, default=str))
-        final = record_dir(self.run_dir, step + 1)
-        shutil.rmtree(final, ignore_errors=True)         # a step redone after a roll-back
-        tmp.rename(final)
-
-
-def per_row_stats(objective, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                  kwargs: dict) -> tuple[Tensor, Tensor]:
-    """The objective's own ratio_mean and clip_frac_tokens, one row at a time: [N], [N]."""
-    ratio, clip = [], []
-    for i in range(len(advantages)):
-        _, s = objective(logp[i:i + 1], old_logp[i:i + 1], advantages[i:i + 1], mask[i:i + 1],
-                         **kwargs)
-        ratio.append(s["ratio_mean"])
-        clip.append(s["clip_frac_tokens"])
-    return torch.stack(ratio).float(), torch.stack(clip).float()
 
 
 # ----------------------------------------------------------------------------- invariants (pure)
 
 def mask_problems(response_ids: Tensor, mask: Tensor, attention: Tensor, truncated: Tensor,
                   lengths: Tensor, *, eos_id: int, pad_id: int, max_new_tokens: int) -> list[str]:
-    """DESIGN.md §1 mask rules, one message per broken rule naming the first bad row.
+    """The mask rules of docs/math.md, one message per broken rule naming the first bad row.
 
     mask [N, T] is 0/1, ones then zeros; it ends at the first EOS (a row with EOS has it at
     position |y_i| − 1 and nowhere before); a truncated row has no EOS and |y_i| = max_new_tokens;
@@ -247,7 +129,7 @@ CLIP_RULES = {
     # GMPO: sign-gated in log space
     "gmpo": _clip_token_frac(lambda lr, a, k: _sign_gated(lr, a, -k["eps_low"], k["eps_high"])),
 }
-"""Clip decision per row (share of its tokens) from DESIGN.md §1, independent of objectives.py."""
+"""Clip decision per row (share of its tokens) as docs/math.md defines it, independent of gspo.core.objectives."""
 
 
 def gspo_reference_loss(logp, old_logp, adv, mask, k) -> Tensor:
@@ -300,7 +182,7 @@ def _compare(name: str, a: Tensor, b: Tensor, tol: float, where=None, what: str 
     return Check(name, "ok" if ok else "FAIL", diff, tol, detail)
 
 
-class AuditError(ValueError):
+class AuditError(UserError, ValueError):
     """No record to audit, or a record that cannot be read (a user error: exit 2)."""
 
 
@@ -314,10 +196,7 @@ def _load_record(path: Path) -> tuple[dict, dict]:
 
 
 def _logprobs(model, t: dict, meta: dict, temperature: float) -> Tensor:
-    from gspo.models import moe
-    from gspo.core.logprobs import response_logprobs
     replay = meta["moe"].get("routing_replay", "none") != "none" and "routing" in t
-    import contextlib
     ctx = moe.replay_routing(model, t["routing"]) if replay else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         return response_logprobs(model, t["input_ids"], t["attention_mask"], t["response_mask"],
@@ -335,9 +214,6 @@ class Recomputed:
 
 def audit_step(run_dir: Path, step: int, tol: Tolerances, cfg=None) -> tuple[list[Check], dict]:
     """All checks of one recorded step: inputs, log-probs, then the objective's arithmetic."""
-    from gspo.config import load_config
-    from gspo.models.presets import load_model
-    from gspo.training.trainer import DTYPES
     path = record_dir(run_dir, step)
     meta, t = _load_record(path)
     cfg = cfg or load_config(run_dir / "config.yaml")
@@ -357,10 +233,7 @@ def audit_step(run_dir: Path, step: int, tol: Tolerances, cfg=None) -> tuple[lis
 def _config_check(cfg, meta: dict) -> Check:
     """The record's objective and hyper-parameters are the run's (config.yaml, resolved)."""
     k, name, o = meta["objective"]["kwargs"], meta["objective"]["name"], cfg.objective
-    given = (("eps_low", o.eps_low), ("eps_high", o.eps_high), ("aggregation", o.aggregation))
-    expected = {**dict(objectives.spec(o.name).defaults),
-                **{key: v for key, v in given if v is not None}, **o.params,
-                "token_sum_norm": float(cfg.rollout.max_new_tokens)}
+    expected = {**dict(objectives.spec(o.name).defaults), **cfg.objective_kwargs()}
     differ = sorted(key for key in set(expected) | set(k) if expected.get(key) != k.get(key))
     if name != o.name:
         differ.insert(0, "name")
@@ -371,7 +244,6 @@ def _config_check(cfg, meta: dict) -> Check:
 
 def _input_checks(cfg, meta: dict, t: dict, r: Recomputed, tol: Tolerances) -> list[Check]:
     """Masks, completions, rewards and advantages: what the loss was fed besides log-probs."""
-    from gspo.rollout.generate import decode
     T = t["response_mask"].shape[1]
     response_ids = t["input_ids"][:, -T:]
     problems = mask_problems(response_ids, t["response_mask"], t["attention_mask"][:, -T:],
@@ -382,7 +254,7 @@ def _input_checks(cfg, meta: dict, t: dict, r: Recomputed, tol: Tolerances) -> l
                     "ones-then-zeros, ends at first EOS, |y|=Σmask, padding masked")]
     loss_mask = t["response_mask"] * (~t["truncated"].bool()).float()[:, None] \
         if meta["train"]["mask_truncated"] else t["response_mask"]
-    if "dropped" in t:  # samples whose reward failed under reward.on_error=drop
+    if "dropped" in t:  # samples whose reward failed under rewards.on_error=drop
         loss_mask = loss_mask * (~t["dropped"].bool()).float()[:, None]
     checks.append(_compare("loss_mask", t["loss_mask"], loss_mask, 0.0,
                            what="response mask (minus truncated rows if mask_truncated)"))
@@ -393,7 +265,7 @@ def _input_checks(cfg, meta: dict, t: dict, r: Recomputed, tol: Tolerances) -> l
         "token ids decode to the saved text")))
     checks.append(_rescore(cfg, meta, completions, t["rewards"], tol.reward))
     a = meta["advantage"]
-    adv = masked_group_advantages(t["rewards"], a["group_size"], scale=a["scale"], eps=a["eps"])
+    adv = group_advantages(t["rewards"], a["group_size"], scale=a["scale"], eps=a["eps"])
     checks.append(_compare("advantages", t["advantages"], adv, 1e-5,
                            what="group advantages of the saved rewards"))
     return checks
@@ -461,12 +333,9 @@ def _objective_checks(meta: dict, t: dict, r: Recomputed, tol: Tolerances) -> li
 
 
 def _rescore(cfg, meta, completions, rewards, tol) -> Check:
-    from gspo.rewards.sources import build_rewards
-    from gspo.tasks import Example
-    from gspo.training.trainer import build_task
     try:
         task = build_task(cfg)
-        scorer = build_rewards([r.model_dump() for r in cfg.rewards], task)
+        scorer = build_rewards([r.model_dump() for r in cfg.rewards.sources], task)
         examples = [Example(e["prompt"], e["answer"], e["data"]) for e in meta["examples"]]
         again = scorer(completions, examples).total
     except Exception as err:  # noqa: BLE001 - a reward that cannot be rebuilt here is reported
@@ -475,8 +344,6 @@ def _rescore(cfg, meta, completions, rewards, tol) -> Check:
 
 
 def _regenerate(model, tokenizer, meta, t) -> Check:
-    from gspo.rollout.generate import SamplingParams, generate
-    from gspo.tasks import Example
     seeds = meta["seeds"]
     if seeds["dynamic_sampling"] or seeds["refill_rounds"]:
         return Check("regenerate", "skip", detail="dynamic sampling: batch assembled from rounds")

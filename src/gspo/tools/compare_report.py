@@ -14,8 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from gspo.tools.compare import pm  # noqa: E402
 from gspo.observe.metrics import read_metrics  # noqa: E402
+from gspo.tools.compare_stats import pm  # noqa: E402
 
 # (metric key, title, log y); a panel is drawn only when some run logged the metric.
 PANELS = [

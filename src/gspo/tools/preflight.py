@@ -19,7 +19,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from gspo.errors import UserError
+from gspo.models.moe import ROUTER_CLASSES
+from gspo.models.presets import build_char_tokenizer, preset_config
+from gspo.rewards.isolation import IsolatedSource
 
 MB = 1 << 20
 MIN_FREE_MB = 64  # logs, plots, events: beyond the checkpoints themselves
@@ -66,17 +72,15 @@ def check_files(cfg) -> None:
                 raise UserError(f"task.{key}: no such file {path!r}")
     if cfg.model.path:
         check_checkpoint("model.path", cfg.model.path)
-    for i, spec in enumerate(cfg.rewards):
+    for i, spec in enumerate(cfg.rewards.sources):
         if spec.type == "model":
-            check_checkpoint(f"rewards[{i}].path", spec.path)
+            check_checkpoint(f"rewards.sources[{i}].path", spec.path)
 
 
 # ------------------------------------------------------------------------------------ model
 def _model_config(cfg):
     if cfg.model.path:
-        from transformers import AutoConfig
         return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
-    from gspo.models.presets import build_char_tokenizer, preset_config
     return preset_config(cfg.model.preset, len(build_char_tokenizer()), cfg.model.overrides)
 
 
@@ -85,7 +89,6 @@ def check_model(cfg) -> None:
     with user_input():
         config = _model_config(cfg)
     if cfg.moe.routing_replay != "none" or cfg.moe.aux_loss_coef > 0:
-        from gspo.models.moe import ROUTER_CLASSES
         if config.model_type not in ROUTER_CLASSES:
             key = "moe.routing_replay" if cfg.moe.routing_replay != "none" else "moe.aux_loss_coef"
             raise UserError(f"{key}: needs a Mixture-of-Experts model; model type "
@@ -98,8 +101,6 @@ def checkpoint_bytes(cfg) -> int:
     if cfg.model.path:
         weights = sum(p.stat().st_size for p in Path(cfg.model.path).glob("*.safetensors"))
     else:
-        import torch
-        from transformers import AutoModelForCausalLM
         with torch.device("meta"):  # shapes only, no memory
             model = AutoModelForCausalLM.from_config(_model_config(cfg))
         size = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
@@ -171,12 +172,11 @@ PROBES = 2  # training demonstrations scored before training
 
 def check_rewards(rewards, examples: list) -> None:
     """Score the first training demonstrations with every reward source: one that fails on all
-    of them (a wrong signature, a missing column...), or on any under ``reward.on_error=fail``,
+    of them (a wrong signature, a missing column...), or on any under ``rewards.on_error=fail``,
     is reported now instead of failing mid-run or silently scoring every sample 0."""
-    from gspo.rewards.isolation import GuardedSource
     probe = examples[:PROBES]
     for source, _ in getattr(rewards, "sources", []):
-        if not isinstance(source, GuardedSource) or not probe:
+        if not isinstance(source, IsolatedSource) or not probe:
             continue
         _, faults = source([ex.answer for ex in probe], probe)
         if faults and (len(faults) == len(probe) or rewards.on_error == "fail"):

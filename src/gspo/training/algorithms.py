@@ -12,17 +12,20 @@ The trainer runs every step the same way (rollouts, rewards, then an update) and
 * ``SFTBaseline`` (``sft``): no policy-gradient update; M AdamW steps of ``gspo.training.cold_start.sft_loss`` on
   demonstrations whose tokens match the step's rollout batch (the "no RL" baseline).
 
-The interface (``Algorithm``) is what the trainer calls: ``setup`` once the policy exists,
+The interface (``Algorithm``) is what the step calls: ``setup`` once the policy exists (handed
+``PolicyParts``: the model, its optimizer, data and log-prob passes, never the trainer),
 ``advantages`` on each rollout batch, ``update`` after the policy's update (or instead of it when
 ``objective`` is None), ``state_dict`` / ``save`` / ``load`` for checkpoints. Rationale, defaults
-and measured results: docs/baselines.md. This module is not the loop (``gspo.training.trainer``) and holds
-no math of its own (``gspo.core.advantages``, ``gspo.core.value``, ``gspo.core.objectives``, ``gspo.training.cold_start``).
+and measured results: docs/baselines.md. This module is not the loop (``gspo.training.step``) and
+holds no math of its own (``gspo.core.advantages``, ``gspo.core.value``, ``gspo.core.objectives``,
+``gspo.training.cold_start``).
 Shapes: N sequences, T response positions, M minibatches.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -30,26 +33,54 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from gspo.config import BASELINES, objective_names
 from gspo.core import objectives
-from gspo.core.advantages import gae, whiten
-from gspo.rewards.isolation import advantages_with_drops
-from gspo.training.optim import build_optimizer, build_scheduler, clipped_step
+from gspo.core.advantages import gae, group_advantages, whiten
+from gspo.core.value import Critic, explained_variance, value_loss
+from gspo.rollout.collect import DataCursor, loss_mask, minibatch_seed, split_minibatches
 from gspo.rollout.generate import RolloutBatch, demonstration_batch
 from gspo.training.cold_start import sft_loss
-from gspo.core.value import Critic, explained_variance, value_loss
+from gspo.training.optim import build_optimizer, build_scheduler, clipped_step
+from gspo.training.passes import LogprobPasses
 
-__all__ = ["Algorithm", "GroupRelative", "PPO", "SFTBaseline", "get", "names", "terminal_rewards"]
+__all__ = ["Algorithm", "GroupRelative", "PPO", "PolicyParts", "SFTBaseline", "get", "names",
+           "terminal_rewards"]
 
 CRITIC_FILES = ("critic.safetensors", "critic_optimizer.pt", "critic_scheduler.pt")
 
 
+class AllRewards(Protocol):
+    """The rewards of every rank (gspo.training.distributed.Dist; one process: its own)."""
+
+    enabled: bool
+    """More than one rank."""
+
+    def all_rewards(self, rewards: Tensor) -> tuple[Tensor, slice]:
+        """(the rewards of all ranks [N_all], this rank's rows in them)."""
+
+
+@dataclass
+class PolicyParts:
+    """What an algorithm may use of the run: the policy, its optimizer, data and passes."""
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    device: torch.device
+    train_set: list
+    ref_model: torch.nn.Module | None
+    """The frozen reference policy when train.beta > 0."""
+    passes: LogprobPasses
+    ranks: AllRewards
+
+
 class Algorithm(Protocol):
-    """What the trainer asks of an algorithm (one instance per run)."""
+    """What the step asks of an algorithm (one instance per run)."""
 
     objective: str | None
     """Registry name of the policy loss; None: no policy-gradient update (``update`` trains)."""
 
-    def setup(self, trainer) -> None:
+    def setup(self, parts: PolicyParts) -> None:
         """Once the policy, optimizer and scheduler exist (before a resume restores them)."""
 
     def advantages(self, batch: RolloutBatch, rewards: Tensor) -> Tensor:
@@ -69,8 +100,8 @@ class Algorithm(Protocol):
         """Restore from a checkpoint folder and its ``state_dict``."""
 
 
-def _single_process(trainer, name: str) -> None:
-    if trainer.dist.enabled:
+def single_process(parts: PolicyParts, name: str) -> None:
+    if parts.ranks.enabled:
         raise ValueError(f"objective.name={name} runs in one process for now (its second model "
                          "and optimizer are not data-parallel); run it without torchrun")
 
@@ -78,18 +109,21 @@ def _single_process(trainer, name: str) -> None:
 # ----------------------------------------------------------------------------- group-relative
 
 class GroupRelative:
-    """Group-relative advantages (GSPO Eq. 6; reward.on_error=drop aware) for a registry objective."""
+    """Group-relative advantages (GSPO Eq. 6; dropped samples get 0) for a registry objective."""
 
     def __init__(self, cfg):
         self.cfg, self.objective = cfg, cfg.objective.name
 
-    def setup(self, trainer) -> None:
-        pass
+    def setup(self, parts: PolicyParts) -> None:
+        self.ranks = parts.ranks
 
     def advantages(self, batch: RolloutBatch, rewards: Tensor) -> Tensor:
+        """Â [N]; advantage.scale=batch: the std spans the rewards of every rank."""
         a = self.cfg.advantage
-        return advantages_with_drops(batch, rewards, self.cfg.rollout.group_size, scale=a.scale,
-                                     eps=a.eps)                                       # [N]
+        everyone, own = self.ranks.all_rewards(rewards) if a.scale == "batch" \
+            else (rewards, slice(None))
+        adv = group_advantages(everyone, self.cfg.rollout.group_size, scale=a.scale, eps=a.eps)
+        return adv[own]                                                               # [N]
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         return {}
@@ -124,33 +158,31 @@ class PPO:
         self.cfg, self.p = cfg, cfg.ppo
         self._pending: dict = {}
 
-    def setup(self, trainer) -> None:
-        _single_process(trainer, "ppo")
+    def setup(self, parts: PolicyParts) -> None:
+        single_process(parts, "ppo")
         cfg = self.cfg
-        self.trainer = trainer
-        self.critic = Critic.from_policy(trainer.model)
+        self.passes = parts.passes
+        self.critic = Critic.from_policy(parts.model)
         self.optimizer = build_optimizer(self.critic, self.p.critic_lr or cfg.train.lr,
                                          cfg.train.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.schedule, cfg.train.warmup_steps,
                                          cfg.train.steps * cfg.train.minibatches)
         self.ref = None
         if self.p.kl_in_reward:  # the trainer's reference when it has one (train.beta > 0)
-            self.ref = trainer.ref_model or copy.deepcopy(trainer.model).eval().requires_grad_(False)
+            self.ref = parts.ref_model or copy.deepcopy(parts.model).eval().requires_grad_(False)
 
     @torch.no_grad()
     def advantages(self, batch: RolloutBatch, rewards: Tensor) -> Tensor:
         """GAE over the loss mask, the reward on each response's last token, whitened: [N, T]."""
-        t, p = self.trainer, self.p
-        dropped = ~torch.isfinite(rewards)                                            # [N]
-        if bool(dropped.any()):                                # reward.on_error=drop: out of the loss
-            batch.extras["dropped"] = dropped
-        mask = t.loss_mask(batch)                                                     # [N, T]
+        passes, p = self.passes, self.p
+        dropped = ~torch.isfinite(rewards)                      # [N] rewards.on_error=drop
+        mask = loss_mask(batch, self.cfg.train.mask_truncated)                        # [N, T]
         r = torch.where(dropped, torch.zeros_like(rewards), rewards)                  # [N]
         rewards_tok = terminal_rewards(r, mask)                                       # [N, T]
         stats = {}
         if self.ref is not None:                   # −β_kl (log π_old − log π_ref) per token (k1)
-            logp = t._logprobs(t.model, batch, with_entropy=False).logp               # [N, T]
-            ref = t._logprobs(self.ref, batch, with_entropy=False).logp               # [N, T]
+            logp = passes.logprobs(passes.model, batch).logp                          # [N, T]
+            ref = passes.logprobs(self.ref, batch).logp                               # [N, T]
             kl = torch.where(mask > 0, logp - ref, torch.zeros_like(logp))            # [N, T]
             rewards_tok = rewards_tok - p.kl_coef * kl
             stats["ppo/kl_reward"] = kl.sum(-1).mean()                                # per response
@@ -167,10 +199,9 @@ class PPO:
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         """M minibatch steps of the clipped value loss on this batch (the policy's split)."""
-        from gspo.training.trainer import split_minibatches
-        t, cfg, pend = self.trainer, self.cfg, self._pending
+        cfg, pend = self.cfg, self._pending
         values, returns, mask = pend["values"], pend["returns"], pend["mask"]
-        gen = torch.Generator().manual_seed(t.minibatch_seed(step))
+        gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
         collected: dict[str, list[Tensor]] = {k: [v] for k, v in pend["stats"].items()}
         self.critic.train()
         for idx in split_minibatches(len(returns), cfg.train.minibatches, gen):
@@ -222,17 +253,16 @@ class SFTBaseline:
         self.cfg = cfg
         self._lengths: dict[int, int] = {}
 
-    def setup(self, trainer) -> None:
-        from gspo.training.trainer import DataCursor
-        _single_process(trainer, "sft")
-        self.trainer = trainer
-        self.cursor = DataCursor(len(trainer.train_set), self.cfg.seed + 1)  # not the prompts' order
+    def setup(self, parts: PolicyParts) -> None:
+        single_process(parts, "sft")
+        self.parts = parts
+        self.cursor = DataCursor(len(parts.train_set), self.cfg.seed + 1)  # not the prompts' order
 
     def _length(self, i: int) -> int:
         """Tokens of demonstration i as trained on: answer + EOS, at most max_new_tokens."""
         if i not in self._lengths:
-            answer = self.trainer.train_set[i].answer
-            n = len(self.trainer.tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1
+            answer = self.parts.train_set[i].answer
+            n = len(self.parts.tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1
             self._lengths[i] = min(n, self.cfg.rollout.max_new_tokens)
         return self._lengths[i]
 
@@ -249,7 +279,7 @@ class SFTBaseline:
         return picked
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
-        t, cfg = self.trainer, self.cfg
+        t, cfg = self.parts, self.cfg
         rl_tokens = int(batch.response_mask.sum())
         picked = self.draw(rl_tokens)
         M = min(cfg.train.minibatches, len(picked))
@@ -281,18 +311,21 @@ class SFTBaseline:
 
 # ----------------------------------------------------------------------------- registry
 
-_REGISTRY = {"ppo": PPO, "sft": SFTBaseline}
+REGISTRY = {"ppo": PPO, "sft": SFTBaseline}
+"""objective.name -> its algorithm, where it is not plain group-relative advantages."""
+if set(REGISTRY) - set(objectives.available()) != set(BASELINES):
+    raise RuntimeError("gspo.config.BASELINES must name the algorithms that are not an objective")
 
 
 def names() -> list[str]:
     """Every valid ``objective.name``: the policy-loss registry plus the baselines here."""
-    return sorted(set(objectives.available()) | set(_REGISTRY))
+    return objective_names()
 
 
 def get(name: str):
     """The algorithm class for ``objective.name``; ValueError listing the valid names."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
+    if name in REGISTRY:
+        return REGISTRY[name]
     if name in objectives.available():
         return GroupRelative
     raise ValueError(f"unknown objective {name!r}; valid: {', '.join(names())}")

@@ -1,4 +1,4 @@
-"""Cold start: supervised fine-tuning on demonstrations, to a deliberately partial competence.
+"""The initial policy: a preset or checkpoint, cold-started by SFT to a deliberately partial competence.
 
 The loss is the mean negative log-likelihood of the demonstration tokens (answer + EOS), computed
 with the same memory-bounded log-prob path and the same prompt/response layout as RL, so the cold
@@ -13,17 +13,18 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from gspo.config import SFTConfig, config_hash
+from gspo.config import SFTConfig, TrainConfig, config_hash
 from gspo.core.logprobs import response_logprobs
-from gspo.models.presets import save_model
-from gspo.training.optim import build_optimizer, build_scheduler
+from gspo.models.presets import DTYPES, build_model, load_model, resolve_device, save_model
 from gspo.rollout.generate import demonstration_batch
 from gspo.tasks import Example
+from gspo.training.optim import build_optimizer, build_scheduler
 
 DONE_FILE = "sft.json"
 
@@ -104,3 +105,33 @@ def save_cold_start(model, tokenizer, cache_dir: str | Path, key: str, info: dic
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
+    """The policy RL starts from: model.path, or a preset cold-started by SFT (cached).
+    Returns (model on its device, tokenizer, what it is: source, SFT steps and loss, checkpoint)."""
+    dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
+    if cfg.model.path:
+        model, tokenizer = load_model(cfg.model.path, dtype)
+    else:
+        model, tokenizer = build_model(cfg.model.preset, cfg.seed, cfg.model.overrides, dtype)
+    info: dict = {"source": cfg.model.path or f"preset:{cfg.model.preset}"}
+    if cfg.sft.enabled and cfg.sft.steps > 0:
+        key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)
+        hit = cached_checkpoint(cfg.sft.cache_dir, key)
+        if hit is not None:
+            log(f"cold start: reusing cached SFT checkpoint {hit}")
+            model, tokenizer = load_model(hit, dtype)
+            info = json.loads((hit / "sft.json").read_text())
+        else:
+            log(f"cold start: SFT for {cfg.sft.steps} steps on {cfg.task.name} demonstrations")
+            model.to(device)
+            t0 = time.time()
+            history = train_sft(model, tokenizer, task.split("train"), cfg.sft, seed=cfg.seed,
+                                progress=progress)
+            info = {**info, "sft_steps": cfg.sft.steps, "sft_final_loss": history[-1]["sft/loss"],
+                    "sft_seconds": time.time() - t0, "cache_key": key}
+            hit = save_cold_start(model, tokenizer, cfg.sft.cache_dir, key, info)
+            log(f"cold start: saved {hit}")
+        info["checkpoint"] = str(hit)
+    return model.to(device), tokenizer, info

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gspo.core.logprobs import decoder_and_head, response_logprobs
 from gspo.training import checkpoint
-from gspo.core.logprobs import _decoder_and_head, response_logprobs
 
 STRATEGIES = ("ddp", "fsdp")
 RANK_SEED_STRIDE = 1 << 40
@@ -237,12 +237,11 @@ class Dist:
             return 1.0
         return (mask > 0).sum() / counts["num_tokens"].clamp(min=1)
 
-    def batch_advantages(self, rewards: Tensor, group_size: int, *, eps: float,
-                         local: Tensor) -> Tensor:
-        """advantage.scale=batch: the std spans the rewards of every rank (``local`` in one process)."""
+    def all_rewards(self, rewards: Tensor) -> tuple[Tensor, slice]:
+        """(the rewards of every rank, in rank order [N_all], this rank's rows in them): for
+        statistics over the whole batch (advantage.scale=batch). One process: its own, all of them."""
         if not self.enabled:
-            return local
-        from gspo.rewards.isolation import masked_group_advantages
+            return rewards, slice(None)
         sizes = self.sizes(len(rewards))
         padded = torch.full((max(sizes),), float("nan"), device=self.device)
         padded[:len(rewards)] = rewards.to(self.device, torch.float32)
@@ -250,8 +249,7 @@ class Dist:
         dist.all_gather(everyone, padded)
         full = torch.cat([t[:s] for t, s in zip(everyone, sizes)]).to(rewards.device)
         start = sum(sizes[:self.rank])
-        adv = masked_group_advantages(full, group_size, scale="batch", eps=eps)   # [N_glob]
-        return adv[start:start + len(rewards)].to(local.dtype)
+        return full, slice(start, start + len(rewards))
 
     # ------------------------------------------------------------------ gradients
     def sync_grads(self, model: nn.Module, loss: Tensor) -> Tensor:
@@ -301,7 +299,7 @@ class Dist:
                 t.data.copy_(on)
         if strategy == "fsdp":
             from torch.distributed.fsdp import FSDPModule, fully_shard
-            decoder, _ = _decoder_and_head(model)
+            decoder, _ = decoder_and_head(model)
             for layer in getattr(decoder, "layers", []):
                 fully_shard(layer)
             self.policy = fully_shard(PolicyForward(model))

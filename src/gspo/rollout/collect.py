@@ -1,0 +1,236 @@
+"""Collecting one RL step's rollout batch: P prompts in data order, G sampled responses each, scored.
+
+``Collector.collect(step)`` takes the next P training prompts (``DataCursor``), samples G
+responses per prompt with the policy (``generate``; under ``moe.routing_replay=rollout`` the
+experts used are kept in ``batch.extras["routing"]``), scores them with the run's rewards and
+returns the batch, its rewards [N] and the step's reward / response metrics. With
+``train.dynamic_sampling`` groups whose rewards are all equal are dropped and fresh prompts drawn
+until the batch is full again (at most ``train.max_refill_rounds`` more rounds).
+
+Data parallel runs hand it a ``Shards`` (gspo.training.distributed.Dist): each rank samples its
+share of the prompts with its own seed and ranks refill in step. This module samples and scores;
+it computes no advantages and never trains.
+Shapes: P prompts, G responses per prompt, N = P·G rows, T response positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Protocol
+
+import torch
+
+from gspo.models import moe
+from gspo.rewards.isolation import correct_all
+from gspo.rollout.generate import RolloutBatch, SamplingParams, generate
+
+
+@dataclass
+class DataCursor:
+    """Position in the shuffled training prompts (epoch-seeded permutations): resumable."""
+    size: int
+    seed: int
+    epoch: int = 0
+    index: int = 0
+    order: list[int] = field(default_factory=list, repr=False)
+    """The current epoch's permutation (drawn again on load)."""
+
+    def permutation(self) -> list[int]:
+        order = list(range(self.size))
+        random.Random(self.seed * 7919 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            if not self.order:
+                self.order = self.permutation()
+            if self.index >= self.size:
+                self.epoch, self.index = self.epoch + 1, 0
+                self.order = self.permutation()
+            take = min(n - len(out), self.size - self.index)
+            out += self.order[self.index:self.index + take]
+            self.index += take
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load(self, state: dict) -> None:
+        self.epoch, self.index, self.order = state["epoch"], state["index"], []
+
+
+def split_minibatches(n: int, m: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A shuffled partition of range(n) into m nearly equal index sets."""
+    return list(torch.randperm(n, generator=generator).tensor_split(min(m, n)))
+
+
+def rollout_seed(run_seed: int, step: int, rnd: int = 0) -> int:
+    """Sampling seed of generation round ``rnd`` of ``step`` (before a rank's own offset)."""
+    return run_seed * 1_000_003 + step * 101 + rnd
+
+
+def minibatch_seed(run_seed: int, step: int) -> int:
+    """Seed of the minibatch split of ``step`` (the policy's and PPO's critic's)."""
+    return run_seed * 7 + step
+
+
+def mark_dropped(batch: RolloutBatch, rewards: torch.Tensor) -> None:
+    """Samples whose reward failed under rewards.on_error=drop (NaN) -> batch.extras["dropped"] [N]."""
+    dropped = ~torch.isfinite(rewards)                                     # [N]
+    if bool(dropped.any()):
+        batch.extras["dropped"] = dropped
+
+
+def loss_mask(batch: RolloutBatch, mask_truncated: bool) -> torch.Tensor:
+    """[N, T] the response tokens that enter the loss: not of a truncated response when
+    ``mask_truncated``, nor of a dropped sample (the response mask itself stays as generated)."""
+    mask = batch.response_mask
+    if mask_truncated:
+        mask = mask * (~batch.truncated).float().unsqueeze(-1)              # [N, T]
+    if "dropped" in batch.extras:
+        mask = mask * (~batch.extras["dropped"]).float().unsqueeze(-1)      # [N, T]
+    return mask
+
+
+class Shards(Protocol):
+    """What collection asks of the ranks (gspo.training.distributed.Dist; one process: trivial)."""
+
+    def share(self, n: int) -> slice: ...
+    def shard(self, items: list) -> list: ...
+    def seed(self, base: int) -> int: ...
+    def all(self, flag: bool) -> bool: ...
+    def full_params(self) -> ContextManager: ...
+
+
+def generate_group(model, tokenizer, examples, sampling: SamplingParams, *, group_size: int,
+                   seed: int, with_logprobs: bool, capture_routing: bool,
+                   shards: Shards) -> RolloutBatch:
+    """Sample G responses per example; ``capture_routing``: keep the experts each token used."""
+    with moe.capture_routing(model) if capture_routing else contextlib.nullcontext() as cap, \
+            shards.full_params():      # fsdp: gathered, so ranks may generate unequal lengths
+        batch = generate(model, tokenizer, examples, sampling, group_size=group_size,
+                         with_logprobs=with_logprobs, seed=seed,
+                         share_prompts=not capture_routing)  # a capture needs all N rows per forward
+    if capture_routing:
+        batch.extras["routing"] = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
+    return batch
+
+
+def reward_stats(task, batch: RolloutBatch, rewards: torch.Tensor, per_source: dict,
+                 group_size: int) -> dict:
+    """reward/* and response/* of a scored batch; sets ``batch.correct`` [N] (task.is_correct)."""
+    correct = correct_all(task, batch.completions, batch.examples)  # one hand-off
+    batch.correct = torch.tensor(correct, dtype=torch.bool)   # [N], reused by the length slices
+    rewards, lengths = rewards.cpu(), batch.lengths.cpu()     # host copies: no sync per .item()
+    scored = rewards[rewards.isfinite()]  # rewards.on_error=drop marks dropped samples NaN
+    stats = {
+        "reward/mean": scored.mean().item(), "reward/std": scored.std().item(),
+        "reward/accuracy": sum(correct) / len(correct),
+        "reward/frac_zero_std_groups": (rewards.view(-1, group_size).std(-1) == 0).float().mean().item(),
+        "response/length_mean": lengths.float().mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": batch.truncated.cpu().float().mean().item(),
+    }
+    if len(per_source) > 1:
+        stats.update({f"reward/{k}": v.nanmean().item() for k, v in per_source.items()})
+    return stats
+
+
+@dataclass
+class Collector:
+    """Draws, samples and scores the rollout batch of each RL step (``collect``)."""
+    cfg: object                        # TrainConfig: rollout, train (refills, log-probs), moe, seed
+    model: torch.nn.Module
+    tokenizer: object
+    task: object                       # is_correct for reward/accuracy
+    train_set: list
+    cursor: DataCursor
+    rewards: Callable                  # (completions, examples) -> RewardResult
+    shards: Shards
+    device: torch.device
+
+    @property
+    def sampling(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+
+    def seed(self, step: int, rnd: int = 0) -> int:
+        """This rank's sampling seed of round ``rnd`` of ``step`` (recorded for audits)."""
+        return self.shards.seed(rollout_seed(self.cfg.seed, step, rnd))
+
+    def generate(self, examples, seed: int) -> RolloutBatch:
+        cfg = self.cfg
+        return generate_group(self.model, self.tokenizer, examples, self.sampling,
+                              group_size=cfg.rollout.group_size, seed=seed,
+                              with_logprobs=cfg.train.old_logprobs == "rollout"
+                              or cfg.train.log_rollout_logprobs,
+                              capture_routing=cfg.moe.routing_replay == "rollout", shards=self.shards)
+
+    def collect(self, step: int) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
+        """Generate and score P groups; with dynamic sampling, drop zero-variance groups and refill."""
+        cfg, G, P = self.cfg, self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step
+        rounds = 1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)
+        limit = len(range(P)[self.shards.share(P)]) * G        # this rank's rows (P·G in one process)
+        kept_batches, kept_rewards, extra, first_stats = [], [], {}, None
+        for rnd in range(rounds):
+            examples = [self.train_set[i] for i in self.shards.shard(self.cursor.take(P))]
+            t0 = time.perf_counter()
+            batch = self.generate(examples, seed=self.seed(step, rnd))
+            extra["time/generate_s"] = extra.get("time/generate_s", 0.0) + time.perf_counter() - t0
+            t0 = time.perf_counter()
+            result = self.rewards(batch.completions, batch.examples)
+            extra["time/reward_s"] = extra.get("time/reward_s", 0.0) + time.perf_counter() - t0
+            errors = 0 if result.errors is None else int(result.errors.sum())   # rewards.on_error
+            extra["reward/errors"] = extra.get("reward/errors", 0) + errors
+            rewards = result.total.to(self.device)                         # [N]
+            if first_stats is None:
+                first_stats = reward_stats(self.task, batch, rewards, result.per_source, G)
+            if not cfg.train.dynamic_sampling:
+                return batch, rewards, {**first_stats, **extra}
+            keep = rewards.view(-1, G).std(-1) > 0                          # [P]
+            rows = keep.repeat_interleave(G).nonzero().squeeze(-1)
+            kept_batches.append(batch.select(rows.cpu()))
+            kept_rewards.append(rewards[rows])
+            if self.shards.all(sum(len(r) for r in kept_rewards) >= limit):  # ranks refill in step
+                break
+        batch = concat_batches(kept_batches, self.tokenizer.pad_token_id, limit) if kept_batches else None
+        rewards = torch.cat(kept_rewards)[:limit]
+        extra["reward/refill_rounds"] = rnd
+        if batch is None or len(rewards) == 0:
+            return None, rewards, {**first_stats, **extra}
+        return batch, rewards, {**first_stats, **extra}
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int, limit: int) -> RolloutBatch:
+    """Stack rollout batches of different prompt/response widths, keeping the first ``limit`` rows.
+
+    Prompts are re-padded on the left and responses on the right, so the layout stays
+    "prompt (left-padded) + response (right-padded)" for every row.
+    """
+    Lp = max(b.input_ids.shape[1] - b.response_mask.shape[1] for b in batches)
+    T = max(b.response_mask.shape[1] for b in batches)
+
+    def widen(b: RolloutBatch, x: torch.Tensor, value, response_only: bool = False) -> torch.Tensor:
+        t = b.response_mask.shape[1]
+        left = 0 if response_only else Lp - (b.input_ids.shape[1] - t)
+        return torch.cat([x.new_full((x.shape[0], left, *x.shape[2:]), value), x,
+                          x.new_full((x.shape[0], T - t, *x.shape[2:]), value)], dim=1)
+
+    def stack(get, value, response_only=False) -> torch.Tensor:
+        return torch.cat([widen(b, get(b), value, response_only) for b in batches])[:limit]
+
+    return RolloutBatch(
+        input_ids=stack(lambda b: b.input_ids, pad_id),
+        attention_mask=stack(lambda b: b.attention_mask, 0),
+        response_mask=stack(lambda b: b.response_mask, 0.0, response_only=True),
+        truncated=torch.cat([b.truncated for b in batches])[:limit],
+        completions=sum((b.completions for b in batches), [])[:limit],
+        examples=sum((b.examples for b in batches), [])[:limit],
+        rollout_logp=None if batches[0].rollout_logp is None
+        else stack(lambda b: b.rollout_logp, 0.0, response_only=True),
+        extras={key: stack(lambda b, k=key: b.extras[k], 0) for key in batches[0].extras},
+    )

@@ -1,0 +1,94 @@
+"""The comparison's statistics: per-run numbers from a run's metrics, mean ± std over seeds, and
+whether two means differ by more than the seeds' spread. Pure functions of plain numbers; read by
+``gspo.tools.compare`` (results.json, the claims) and ``gspo.tools.compare_report`` (the tables).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def eval_series(rows: list[dict]) -> list[tuple[int, float]]:
+    """(step, held-out accuracy) of every evaluated step, the cold start at step 0 first."""
+    return [(r["step"], r["eval/accuracy"]) for r in rows
+            if isinstance(r.get("eval/accuracy"), (int, float))]
+
+
+def steps_to(series: list[tuple[int, float]], threshold: float) -> int | None:
+    """First evaluated RL step whose accuracy is at least ``threshold`` (None: never)."""
+    return next((s for s, a in series if a >= threshold), None)
+
+
+def collapsed(series: list[tuple[int, float]], min_gain: float) -> bool:
+    """Collapse: after its best step, accuracy ends below cold start + half the best gain.
+
+    With cold start a0, best a* (gain g = a* - a0 >= min_gain) and last evaluation a_end, the run
+    collapsed when a_end < a0 + g/2: it fell below half of its gain and had not recovered by the end.
+    """
+    if len(series) < 2:
+        return False
+    cold, best, last = series[0][1], max(a for _, a in series), series[-1][1]
+    gain = best - cold
+    return gain >= min_gain and last < cold + gain / 2
+
+
+def run_stats(rows: list[dict], summary: dict, threshold: float, min_gain: float) -> dict:
+    """One run's numbers for the table."""
+    series = eval_series(rows)
+    steps = [r for r in rows if isinstance(r.get("time/step_s"), (int, float))]
+    clip = [r["policy/clip_frac_tokens"] for r in rows
+            if isinstance(r.get("policy/clip_frac_tokens"), (int, float))]
+    train_s = sum(r["time/step_s"] for r in steps)
+    n = summary.get("rollout_size")
+    tokens = sum(r.get("response/length_mean", 0.0) * (n or 0) for r in steps)
+    best_step, best = max(series, key=lambda p: (p[1], -p[0])) if series else (None, None)
+    return {
+        "seed": summary["seed"], "cold_accuracy": series[0][1] if series else None,
+        "final_accuracy": summary["eval_after"]["accuracy"], "best_accuracy": best,
+        "best_step": best_step, "steps_to_threshold": steps_to(series, threshold),
+        "clip_frac_tokens": statistics.fmean(clip) if clip else None,
+        "wall_s": summary["wall_s"], "train_s": round(train_s, 2),
+        "tokens_per_s": round(tokens / train_s, 1) if n and train_s > 0 else None,
+        "collapsed": collapsed(series, min_gain),
+    }
+
+
+def mean_std(values: list) -> dict:
+    """{mean, std (sample, 0 for one value), min, max, n} of the non-None values."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+AGGREGATED = ["cold_accuracy", "final_accuracy", "best_accuracy", "steps_to_threshold",
+              "clip_frac_tokens", "wall_s", "train_s", "tokens_per_s"]
+
+
+def aggregate(per_seed: list[dict]) -> dict:
+    agg = {key: mean_std([r[key] for r in per_seed]) for key in AGGREGATED}
+    agg["reached_threshold"] = sum(r["steps_to_threshold"] is not None for r in per_seed)
+    agg["collapses"] = sum(r["collapsed"] for r in per_seed)
+    agg["seeds"] = len(per_seed)
+    return agg
+
+
+# A difference of means counts only when it exceeds the seeds' spread: |Δ| > std_a + std_b
+# (sample std over seeds). With one seed there is no spread, and every comparison is inconclusive.
+
+def compare_means(a: dict, b: dict) -> str:
+    """'better' | 'worse' | 'within' (a vs b, each a mean_std dict)."""
+    if a["mean"] is None or b["mean"] is None or min(a["n"], b["n"]) < 2:
+        return "within"
+    diff, spread = a["mean"] - b["mean"], a["std"] + b["std"]
+    return "better" if diff > spread else "worse" if diff < -spread else "within"
+
+
+def pm(stat: dict, fmt: str = ".3f", missing: str = "n/a") -> str:
+    """'mean ± std' of a mean_std dict, or ``missing`` when it has no values."""
+    if stat["mean"] is None:
+        return missing
+    return f"{stat['mean']:{fmt}} ± {stat['std']:{fmt}}"
+
+
