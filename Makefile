@@ -26,7 +26,9 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/gspo train configs/default.yaml run.overwrite=true $(ARGS)
 
+# The layer contracts of pyproject.toml ([tool.importlinter]) first, then the tests.
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)

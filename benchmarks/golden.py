@@ -46,11 +46,13 @@ WEIGHT_FILES = ("model.safetensors", "critic.safetensors")
 
 
 def train(name: str, configs: Path, work: Path) -> Path:
-    """One run of ``name`` in ``work/name`` with the gspo on PYTHONPATH; its final checkpoint."""
+    """One run of ``name`` in ``work/name`` with the gspo on PYTHONPATH; its final checkpoint.
+    Each run trains its own cold start (a cache hit would leave the global RNG elsewhere, and
+    PPO's critic head is drawn from it)."""
     config, overrides = RUNS[name]
     run_dir = work / name
     cmd = [sys.executable, "-m", "gspo", "train", str(configs / config), f"run.dir={run_dir}",
-           f"sft.cache_dir={work / 'sft-cache'}", *COMMON, *overrides]
+           f"sft.cache_dir={work / 'sft-cache' / name}", *COMMON, *overrides]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:

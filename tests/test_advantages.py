@@ -68,13 +68,9 @@ def test_bad_shapes(rewards, group_size, match):
         group_advantages(rewards, group_size)
 
 
-def test_bad_scale_and_registry():
+def test_bad_scale():
     with pytest.raises(ValueError, match="group, batch, none"):
         group_advantages(torch.zeros(4), 2, scale="global")
-    assert advantages.available() == ["group"]
-    assert advantages.get("group") is group_advantages
-    with pytest.raises(ValueError, match="group"):
-        advantages.get("gae")
 
 
 # ----------------------------------------------------------------------------- GAE (PPO)

@@ -197,3 +197,23 @@ def test_config_hash_stable_and_sensitive():
     changed = load_config(None, ["seed=1", "sft.lr=0.002"])
     assert config_hash(changed.sft, changed.model) != config_hash(a.sft, a.model)
     assert config_hash(a.model, a.sft) != config_hash(a.sft, a.model)   # order of parts matters
+
+
+def test_moved_keys_are_refused_with_their_new_place():
+    """The reward policy is part of the rewards section now: reward.* names rewards.*."""
+    assert _error("reward.on_error=drop") == (
+        "config: unknown key 'reward.on_error'; did you mean 'rewards.on_error'? "
+        "(section 'reward' is now part of 'rewards')")
+    assert "did you mean rewards.sources?" in _error("rewards=[{type: verifier}]")
+    cfg = load_config(None, ["rewards.on_error=drop", "rewards.sources=[{type: verifier}]"])
+    assert cfg.rewards.on_error == "drop" and cfg.rewards.sources[0].type == "verifier"
+
+
+def test_objective_kwargs_are_derived_from_the_config():
+    cfg = load_config(None, ["objective.name=sapo", "objective.eps_high=0.3",
+                             "objective.params={tau_pos: 1.0}", "rollout.max_new_tokens=12"])
+    assert cfg.objective_kwargs() == {"eps_high": 0.3, "tau_pos": 1.0, "token_sum_norm": 12.0}
+    assert cfg.token_aggregation() == "seq-mean-token-mean"            # sapo's paper default
+    # gspo's seq-mean reduces per-token extras (KL, entropy) as a mean of token means
+    assert load_config(None, []).token_aggregation() == "seq-mean-token-mean"
+    assert load_config(None, ["objective.name=cispo"]).token_aggregation() == "token-mean"

@@ -224,8 +224,8 @@ def _params(model) -> dict:
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_nan_loss_skips_the_update(fresh):
     t = fresh("train.minibatches=2")
-    real = t.objective
-    t.objective = lambda *a, **k: (lambda loss, stats: (loss * float("nan"), stats))(*real(*a, **k))
+    real = t.step.objective
+    t.step.objective = lambda *a, **k: (lambda loss, stats: (loss * float("nan"), stats))(*real(*a, **k))
     before = _params(t.model)
     row = t.step(0)
     assert row["optim/skipped_nonfinite"] == 2

@@ -12,11 +12,14 @@ import torch
 from gspo.training import stability as guard
 from gspo.cli import main
 from gspo.config import ConfigError, dump_yaml, load_config
-from gspo.training.stability import EXIT_PAUSED, GuardPause, Rule, read_events
+from gspo.observe import stability_rules
+from gspo.observe.stability_rules import Rule, read_events
+from gspo.training.stability import EXIT_PAUSED, GuardPause
 from gspo.observe.metrics import read_metrics
 from gspo.models.presets import load_model
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.observe.report import build_report
+from gspo.training.step import RLStep
 from gspo.training.trainer import Trainer
 
 
@@ -44,7 +47,7 @@ def _ckpt(run_dir, step: int):
 # ------------------------------------------------------------------------------- pure rules
 
 def _state(rules):
-    return guard.initial_state(rules)
+    return stability_rules.initial_state(rules)
 
 
 def test_threshold_kinds_fire_on_the_right_side():
@@ -52,30 +55,30 @@ def test_threshold_kinds_fire_on_the_right_side():
              Rule("entropy", "skip", 0.5, "policy/entropy", below=True),
              Rule("grad_norm", "rollback", 10.0, "optim/grad_norm")]
     metrics = {"policy/clip_frac_tokens": 0.25, "policy/entropy": 0.4, "optim/grad_norm": 10.0}
-    hits = guard.evaluate(rules, metrics, _state(rules), step=1)
+    hits = stability_rules.evaluate(rules, metrics, _state(rules), step=1)
     # 0.25 > 0.2 fires; 0.4 < 0.5 fires (below); 10.0 > 10.0 does not (strict)
     assert [(t.rule, t.op, t.value, t.limit) for t in hits] == [
         ("clip_frac", ">", 0.25, 0.2), ("entropy", "<", 0.4, 0.5)]
-    assert guard.decide(hits) == "skip"
-    assert guard.decide([]) is None
+    assert stability_rules.decide(hits) == "skip"
+    assert stability_rules.decide([]) is None
 
 
 def test_absent_metric_and_warmup_do_not_fire():
     rules = [Rule("kl_ref", "pause", 0.1, "policy/kl_ref"),
              Rule("clip_frac", "pause", 0.0, "policy/clip_frac_tokens", warmup=2)]
     metrics = {"policy/clip_frac_tokens": 0.5}
-    assert guard.evaluate(rules, metrics, _state(rules), step=2) == []      # step <= warmup
-    assert [t.rule for t in guard.evaluate(rules, metrics, _state(rules), step=3)] == ["clip_frac"]
+    assert stability_rules.evaluate(rules, metrics, _state(rules), step=2) == []      # step <= warmup
+    assert [t.rule for t in stability_rules.evaluate(rules, metrics, _state(rules), step=3)] == ["clip_frac"]
 
 
 def test_nan_rule_names_every_non_finite_metric():
     rules = [Rule("nan", "skip")]
     metrics = {"policy/loss": float("nan"), "optim/grad_norm": float("inf"), "reward/mean": 0.5}
-    (hit,) = guard.evaluate(rules, metrics, _state(rules), step=4)
+    (hit,) = stability_rules.evaluate(rules, metrics, _state(rules), step=4)
     assert hit.metric == "optim/grad_norm, policy/loss" and hit.op == "not finite"
     assert hit.action == "skip" and hit.step == 4
     # a threshold rule leaves non-finite values to the nan rule
-    assert guard.evaluate([Rule("grad_norm", "warn", 1.0, "optim/grad_norm")], metrics,
+    assert stability_rules.evaluate([Rule("grad_norm", "warn", 1.0, "optim/grad_norm")], metrics,
                           _state([Rule("nan", "skip")]), 1) == []
 
 
@@ -83,18 +86,18 @@ def test_reward_drop_against_its_moving_average():
     rule = Rule("reward_drop", "rollback", 0.3, "reward/mean", ema=0.5)
     state = _state([rule])
     for r in (0.8, 0.6):                                # EMA: 0.8, then 0.5·0.8 + 0.5·0.6 = 0.7
-        assert guard.evaluate([rule], {"reward/mean": r}, state, 1) == []
-        state = guard.observe([rule], {"reward/mean": r}, state)
+        assert stability_rules.evaluate([rule], {"reward/mean": r}, state, 1) == []
+        state = stability_rules.observe([rule], {"reward/mean": r}, state)
     assert state["rules"][0] == {"average": pytest.approx(0.7), "seen": 2}
-    assert guard.evaluate([rule], {"reward/mean": 0.41}, state, 3) == []    # 0.41 >= 0.7 − 0.3
-    (hit,) = guard.evaluate([rule], {"reward/mean": 0.39}, state, 3)
+    assert stability_rules.evaluate([rule], {"reward/mean": 0.41}, state, 3) == []    # 0.41 >= 0.7 − 0.3
+    (hit,) = stability_rules.evaluate([rule], {"reward/mean": 0.39}, state, 3)
     assert hit.limit == pytest.approx(0.4) and hit.op == "<"
 
 
 def test_severity_order():
-    t = lambda a: guard.Trigger(1, "r", a, "m", 1.0, 0.0, ">")  # noqa: E731
-    assert guard.decide([t("warn"), t("pause"), t("skip")]) == "pause"
-    assert guard.decide([t("skip"), t("rollback")]) == "rollback"
+    t = lambda a: stability_rules.Trigger(1, "r", a, "m", 1.0, 0.0, ">")  # noqa: E731
+    assert stability_rules.decide([t("warn"), t("pause"), t("skip")]) == "pause"
+    assert stability_rules.decide([t("skip"), t("rollback")]) == "rollback"
 
 
 def test_rule_config_errors_are_one_line():
@@ -112,7 +115,7 @@ def test_rule_config_errors_are_one_line():
             load_config(None, [f"guard.rules={rules}"])
     cfg = load_config(None, [])
     assert cfg.guard.nan == "skip" and cfg.guard.rules == []             # the defaults
-    assert [r.kind for r in guard.resolve_rules(cfg.guard)] == ["nan"]
+    assert [r.kind for r in stability_rules.resolve_rules(cfg.guard)] == ["nan"]
 
 
 def test_lr_multiplier_keeps_the_schedule():
@@ -197,15 +200,15 @@ def test_skip_leaves_weights_and_optimizer_as_before_the_step(make_cfg, reward_m
                         _rules("{kind: grad_norm, threshold: 0, action: skip, warmup: 1}"))
     t.setup()
     row = t.step(0)                                                     # a normal first step
-    assert t.guard.after_step(t, row) is None and row["guard/skipped"] == 0.0
+    assert t.guard.after_step(row) is None and row["guard/skipped"] == 0.0
     params = {k: v.clone() for k, v in t.model.state_dict().items()}
     opt = json.dumps({k: {n: v.tolist() for n, v in s.items()} for k, s in
                       t.optimizer.state_dict()["state"].items()})
     lr_state = t.scheduler.state_dict()
-    t.guard.before_step(t, 1)
+    t.guard.before_step(1)
     row = t.step(1)
     assert not _same(params, t.model.state_dict())                      # the update happened ...
-    assert t.guard.after_step(t, row) is None
+    assert t.guard.after_step(row) is None
     assert row["guard/skipped"] == 1.0 and row["guard/triggers"] == 1
     assert _same(params, t.model.state_dict())                          # ... and was discarded
     assert opt == json.dumps({k: {n: v.tolist() for n, v in s.items()} for k, s in
@@ -224,20 +227,19 @@ def test_skip_in_a_whole_run(make_cfg, reward_module):
     assert [r.get("guard/skipped") for r in read_metrics(run)] == [None, 0.0, 1.0]
 
 
-def test_nan_is_skipped_by_default(make_cfg, reward_module):
+def test_nan_is_skipped_by_default(make_cfg, reward_module, monkeypatch):
     """A NaN loss at step 2 (injected): the default rule discards the step; weights stay finite."""
     cfg, logs, t = _run(make_cfg, reward_module)
-    real_objective, real_update = t.objective, t.update
+    real_update, calls = RLStep.update, []
 
-    def nan_objective(*args, **kwargs):
-        loss, stats = real_objective(*args, **kwargs)
-        return loss * float("nan"), stats
+    def update(self, *args, **kwargs):            # one update per RL step: the second one is NaN
+        calls.append(self.objective if not calls else calls[0])
+        real = calls[0]
+        self.objective = real if len(calls) != 2 else (
+            lambda *a, **k: (lambda loss, stats: (loss * float("nan"), stats))(*real(*a, **k)))
+        return real_update(self, *args, **kwargs)
 
-    def update(batch, advantages, old_logp, step, record=None, **kwargs):
-        t.objective = nan_objective if step == 1 else real_objective
-        return real_update(batch, advantages, old_logp, step, record=record, **kwargs)
-
-    t.update = update
+    monkeypatch.setattr(RLStep, "update", update)
     t.run()
     run = Path(cfg.run.dir)
     rows = read_metrics(run)
@@ -314,14 +316,14 @@ def blowup(tmp_path_factory, small_config):
         cfg = small_config(root, *BLOWUP, *extra, run=name)
         logs, restored = [], []
         t = Trainer(cfg, log=logs.append)
-        real_load = t.load_checkpoint
+        real_load = t.restore
 
-        def load_checkpoint(loaded, real_load=real_load, t=t, restored=restored):
+        def restore(loaded, real_load=real_load, t=t, restored=restored):
             real_load(loaded)        # a roll-back: the weights now vs that checkpoint on disk
             restored.append((loaded.state["step"], _same(
                 {k: v.clone() for k, v in t.model.state_dict().items()}, _weights(loaded.path))))
 
-        t.load_checkpoint = load_checkpoint
+        t.restore = restore
         summary = t.run()
         out[name] = dict(cfg=cfg, summary=summary, logs=logs, restored=restored,
                          rows=read_metrics(cfg.run.dir), events=read_events(cfg.run.dir))

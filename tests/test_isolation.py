@@ -11,7 +11,8 @@ import torch
 from gspo.core.advantages import group_advantages
 from gspo.cli import main
 from gspo.errors import RewardError
-from gspo.rewards.isolation import IsolatedReward, IsolatedTask, TimedCaller, advantages_with_drops
+from gspo.rewards.isolation import IsolatedReward, IsolatedTask, TimedCaller
+from gspo.rollout.collect import mark_dropped
 from gspo.observe.metrics import read_metrics
 from gspo.rewards.sources import CombinedReward, FunctionReward
 from gspo.rollout.generate import RolloutBatch
@@ -151,6 +152,12 @@ def _batch(n: int, t: int = 3) -> RolloutBatch:
                         completions=[""] * n, examples=[EXAMPLES[0]] * n)
 
 
+def advantages_with_drops(batch, rewards, group_size, **options):
+    """What the step does with a scored batch: mark the dropped rows, then group advantages."""
+    mark_dropped(batch, rewards)
+    return group_advantages(rewards, group_size, **options)
+
+
 def test_advantages_with_drops_by_hand():
     nan = math.nan
     rewards = torch.tensor([1.0, 0.0, nan, 1.0,      # group 1: 3 remain
@@ -179,10 +186,11 @@ def test_dropped_samples_leave_the_loss_mask(make_cfg, reward_module):
     t = Trainer(make_cfg("sft.enabled=false", f"rewards.sources=[{{type: function, fn: '{reward_module}'}}]",
                          "train.minibatches=1"), log=lambda m: None)
     t.setup()
-    batch, rewards, _ = t.collect(0)
+    batch, rewards, _ = t.step.collector.collect(0)
     batch.extras["dropped"] = torch.ones(len(rewards), dtype=torch.bool)   # everything dropped
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    row = t.update(batch, group_advantages(rewards, 4), t.old_logprobs(batch), 0)
+    adv = group_advantages(rewards, 4)
+    row = t.step.update(batch, adv, t.step.old_logprobs(batch), t.step.plan(batch, adv, 0, optimize=False))
     assert row["policy/loss"] == 0.0 and row["optim/grad_norm"] == 0.0
     assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters())
 
@@ -224,7 +232,7 @@ def test_drop_policy_in_a_training_step(make_cfg, flaky):
     t = Trainer(make_cfg("sft.enabled=false", flaky, "rewards.on_error=drop", "train.minibatches=1",
                          "rollout.group_size=8", "rollout.prompts_per_step=4"), log=lambda m: None)
     t.setup()
-    batch, rewards, stats = t.collect(0)
+    batch, rewards, stats = t.step.collector.collect(0)
     failed = ~torch.isfinite(rewards)
     assert 0 < stats["reward/errors"] == int(failed.sum()) < len(rewards), "this seed must mix"
     assert math.isfinite(stats["reward/mean"])

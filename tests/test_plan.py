@@ -80,9 +80,9 @@ def pair(make_cfg, reward_module):
 
 
 def _update(t: Trainer, batch, adv, step: int, optimize: bool) -> tuple[dict, torch.Tensor]:
-    plan = t.plan(batch, adv, step, optimize=optimize)
-    old = t.old_logprobs(batch, rows=plan.old_rows)
-    return t.update(batch, adv, old, step, plan=plan), old
+    plan = t.step.plan(batch, adv, step, optimize=optimize)
+    old = t.step.old_logprobs(batch, rows=plan.old_rows)
+    return t.step.update(batch, adv, old, plan), old
 
 
 def _weights(t: Trainer) -> dict[str, torch.Tensor]:
@@ -100,7 +100,7 @@ def test_optimized_update_equals_the_plain_one(pair, preset):
     skipped rows are counted; MoE: the same routing metrics from the split forwards' layout."""
     fast, plain = pair(f"model.preset={preset}", "rollout.prompts_per_step=4", "rollout.group_size=4")
     plain.split_forwards = lambda: False                      # no trimming, no shared prompts
-    batch, rewards, _ = fast.collect(0)
+    batch, rewards, _ = fast.step.collector.collect(0)
     batch_b, _, _ = plain.collect(0)
     assert torch.equal(batch.input_ids, batch_b.input_ids)
     adv = group_advantages(rewards, 4)
@@ -127,7 +127,7 @@ def test_rows_without_signal_still_get_the_optimizer_step(pair):
     exactly as the plain path does with its zero gradients."""
     fast, plain = pair()
     for t, optimize in ((fast, True), (plain, False)):
-        batch, rewards, _ = t.collect(0)
+        batch, rewards, _ = t.step.collector.collect(0)
         _update(t, batch, group_advantages(rewards, 4), 0, optimize)
         before = _weights(t)
         row, _ = _update(t, batch, torch.zeros_like(rewards), 1, optimize)
@@ -139,7 +139,7 @@ def test_rows_without_signal_still_get_the_optimizer_step(pair):
 def test_one_minibatch_needs_no_old_pass_and_is_on_policy_bit_for_bit(pair, monkeypatch):
     t, _ = pair("train.minibatches=1")
     calls = []
-    real = t._logprobs
+    real = t.step.passes.logprobs
     monkeypatch.setattr(t, "_logprobs", lambda *a, **k: calls.append(k) or real(*a, **k))
     row = t.step(0)
     assert len(calls) == 1 and calls[0]["with_entropy"]                  # the training forward only
@@ -149,8 +149,8 @@ def test_one_minibatch_needs_no_old_pass_and_is_on_policy_bit_for_bit(pair, monk
 
 def test_kl_and_entropy_bonus_train_every_row(pair):
     t, _ = pair("train.beta=0.1", "train.entropy_coef=0.01")
-    batch, rewards, _ = t.collect(0)
-    plan = t.plan(batch, torch.zeros_like(rewards), 0)
+    batch, rewards, _ = t.step.collector.collect(0)
+    plan = t.step.plan(batch, torch.zeros_like(rewards), 0)
     assert plan.skipped == 0                                             # their terms need every row
 
 

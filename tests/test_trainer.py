@@ -194,14 +194,14 @@ def test_fresh_run_in_used_dir(base, small_config):
 
 def test_first_minibatch_is_exactly_on_policy(fresh):
     t = fresh("train.minibatches=1")
-    batch, rewards, _ = t.collect(0)
-    old = t.old_logprobs(batch)                                          # [N, T]
+    batch, rewards, _ = t.step.collector.collect(0)
+    old = t.step.old_logprobs(batch)                                          # [N, T]
     t.model.train()
-    new = t._logprobs(t.model, batch, with_entropy=True).logp            # with grad, like update
+    new = t.step.passes.logprobs(t.model, batch, with_entropy=True).logp            # with grad, like update
     assert torch.equal(new.detach(), old)                                 # bit for bit
     adv = group_advantages(rewards, t.cfg.rollout.group_size)
     assert adv.abs().sum() > 0
-    loss, stats = t.objective(new, old, adv, batch.response_mask, **t.objective_kwargs(0))
+    loss, stats = t.step.objective(new, old, adv, batch.response_mask, **t.cfg.objective_kwargs())
     assert stats["ratio_min"].item() == stats["ratio_max"].item() == 1.0
     assert stats["clip_frac_tokens"].item() == stats["clip_frac_seqs"].item() == 0.0
     assert stats["approx_kl"].item() == 0.0
@@ -290,7 +290,7 @@ def test_dynamic_sampling_keeps_whole_informative_groups(fresh, monkeypatch):
         return out
 
     monkeypatch.setattr(trainer_module, "generate", spy)
-    batch, rewards, stats = t.collect(0)
+    batch, rewards, stats = t.step.collector.collect(0)
     assert stats["reward/refill_rounds"] >= 1, "this seed must exercise the refill"
     assert len(set(widths)) > 1, "rounds of different prompt widths"
     N = len(rewards)
@@ -307,7 +307,8 @@ def test_dynamic_sampling_keeps_whole_informative_groups(fresh, monkeypatch):
         assert batch.response_mask[i].sum() == batch.attention_mask[i, -T:].sum()
         assert torch.equal(batch.response_mask[i].nonzero().squeeze(-1),
                            torch.arange(int(batch.response_mask[i].sum())))  # ones then zeros
-    row = t.update(batch, group_advantages(rewards, G), t.old_logprobs(batch), 0)
+    adv = group_advantages(rewards, G)
+    row = t.step.update(batch, adv, t.step.old_logprobs(batch), t.step.plan(batch, adv, 0, optimize=False))
     assert math.isfinite(row["policy/loss"])
 
 
@@ -324,11 +325,12 @@ def test_dynamic_sampling_all_groups_constant(make_cfg):
 
 def test_update_with_fewer_rows_than_minibatches(fresh):
     t = fresh("rollout.group_size=2", "train.minibatches=4")
-    batch, rewards, _ = t.collect(0)
+    batch, rewards, _ = t.step.collector.collect(0)
     g = next(j for j in range(4) if rewards[2 * j] != rewards[2 * j + 1])
     rows = torch.tensor([2 * g, 2 * g + 1])                              # one informative group
     small = batch.select(rows)
-    row = t.update(small, group_advantages(rewards[rows], 2), t.old_logprobs(small), 0)
+    adv = group_advantages(rewards[rows], 2)
+    row = t.step.update(small, adv, t.step.old_logprobs(small), t.step.plan(small, adv, 0, optimize=False))
     assert math.isfinite(row["policy/loss"])
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
 

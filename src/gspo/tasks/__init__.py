@@ -5,6 +5,9 @@
 Prompts and answers are short plain ASCII, sized for tiny character-level models. Built in:
 `arithmetic`, `multistep`, `countdown`, `custom` (JSONL + a user reward function). A new task is
 a class with those methods under `@register("name")`. Reward composition lives in `gspo.rewards.sources`.
+
+The tasks layer never imports torch, models, rewards or anything above: tasks are plain Python
+over strings (import-linter); only `gspo.errors` is below it.
 """
 
 from gspo.tasks.base import (

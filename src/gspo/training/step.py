@@ -140,10 +140,12 @@ class RLStep:
         return {"step": step + 1, **metrics}
 
     def update(self, batch: RolloutBatch, advantages: Tensor, old_logp: Tensor, plan: UpdatePlan,
-               record: UpdateRecord, timer: StepTimer | None = None) -> dict:
+               record: UpdateRecord | None = None, timer: StepTimer | None = None) -> dict:
         """M minibatch updates on one rollout batch (``plan``): log-probs, objective, backward,
-        clip, step. Metrics averaged over minibatches; ``record`` gets what each row trained on.
-        The plan may have the first minibatch write its rows of ``old_logp`` (in place)."""
+        clip, step. Metrics averaged over minibatches; ``record`` (its mask: the loss mask) gets
+        what each row trained on. The plan may have the first minibatch write its rows of
+        ``old_logp`` (in place)."""
+        record = record or UpdateRecord.start(loss_mask(batch, self.cfg.train.mask_truncated))
         timer = timer or StepTimer(self.device)
         ref_logp = self.reference_logprobs(batch)                       # [N, T] or None
         collected: dict[str, list[Tensor]] = {}
