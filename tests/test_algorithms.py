@@ -15,7 +15,9 @@ from gspo.training import algorithms
 from gspo.config import ConfigError, load_config
 from gspo.observe.metrics import read_metrics
 from gspo.models.presets import load_model
-from gspo.training.trainer import Trainer, initial_policy, build_task
+from gspo.rollout.data import build_task
+from gspo.training.cold_start import initial_policy
+from gspo.training.trainer import Trainer
 from gspo.core.value import Critic
 
 PPO_KEYS = ["value/loss", "value/explained_variance", "value/mean", "value/clip_frac",

@@ -205,7 +205,7 @@ TRAINER_METRICS = ["policy/loss", "optim/grad_norm", "policy/clip_frac_tokens", 
 
 
 def _trainer_updates(run_dir: Path, strategy: str, optimized: bool) -> tuple:
-    """Two ``Trainer.update`` calls on a fixed global batch (this rank's share of it)."""
+    """Two ``RLStep.update`` calls on a fixed global batch (this rank's share of it)."""
     from gspo.config import load_config
     from gspo.training.trainer import Trainer
     cfg = load_config(None, [*TRAIN, f"run.dir={run_dir}", f"dist.strategy={strategy}"])
@@ -215,17 +215,14 @@ def _trainer_updates(run_dir: Path, strategy: str, optimized: bool) -> tuple:
     examples = trainer.train_set[:P]
     history = []
     for step in range(2):
-        batch = trainer.generate(examples, seed=100 + step)      # the same on every rank
+        batch = trainer.step.collector.generate(examples, seed=100 + step)      # the same on every rank
         rewards = torch.tensor([float(len(c) % 3) for c in batch.completions])
         advantages = group_advantages(rewards, G)
         rows = _rows(dist.rank, dist.world)
         batch, advantages = batch.select(rows), advantages[rows]
-        if optimized:
-            plan = trainer.plan(batch, advantages, step)
-            old = trainer.old_logprobs(batch, rows=plan.old_rows)
-        else:
-            plan, old = None, trainer.old_logprobs(batch)
-        metrics = trainer.update(batch, advantages, old, step, plan=plan)
+        plan = trainer.step.plan(batch, advantages, step, optimize=optimized)
+        old = trainer.step.old_logprobs(batch, rows=plan.old_rows)
+        metrics = trainer.step.update(batch, advantages, old, plan)
         history.append({k: metrics[k] for k in TRAINER_METRICS})
     trainer.save(2, 0.0)
     return trainer, history

@@ -99,9 +99,9 @@ def test_optimized_update_equals_the_plain_one(pair, preset):
     path (every row, one untrimmed forward per pass); π_old equal where both computed it; the
     skipped rows are counted; MoE: the same routing metrics from the split forwards' layout."""
     fast, plain = pair(f"model.preset={preset}", "rollout.prompts_per_step=4", "rollout.group_size=4")
-    plain.split_forwards = lambda: False                      # no trimming, no shared prompts
+    plain.step.passes.split_forwards = False                  # no trimming, no shared prompts
     batch, rewards, _ = fast.step.collector.collect(0)
-    batch_b, _, _ = plain.collect(0)
+    batch_b, _, _ = plain.step.collector.collect(0)
     assert torch.equal(batch.input_ids, batch_b.input_ids)
     adv = group_advantages(rewards, 4)
     adv.view(-1, 4)[::2] = 0.0                                            # groups 0, 2: no signal
@@ -140,7 +140,7 @@ def test_one_minibatch_needs_no_old_pass_and_is_on_policy_bit_for_bit(pair, monk
     t, _ = pair("train.minibatches=1")
     calls = []
     real = t.step.passes.logprobs
-    monkeypatch.setattr(t, "_logprobs", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(t.step.passes, "logprobs", lambda *a, **k: calls.append(k) or real(*a, **k))
     row = t.step(0)
     assert len(calls) == 1 and calls[0]["with_entropy"]                  # the training forward only
     assert row["policy/ratio_min"] == row["policy/ratio_max"] == 1.0

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from gspo.rewards import sources as rewards
+from gspo.rewards import sources
 from gspo import tasks
 from gspo.rewards.sources import CombinedReward, FunctionReward, ModelReward, RewardSource, VerifierReward, build_rewards
 from gspo.tasks import Example
@@ -118,7 +118,7 @@ def test_build_rewards_from_specs(reward_mod, arithmetic):
 
 
 def test_build_rewards_errors(arithmetic):
-    assert rewards.source_types() == ["function", "model", "verifier"]
+    assert sources.source_types() == ["function", "model", "verifier"]
     valid = "valid types: function, model, verifier"
     with pytest.raises(ValueError, match=rf"rewards.sources\[0\]: unknown reward type 'llm'; {valid}"):
         build_rewards([{"type": "llm"}], arithmetic)

@@ -12,13 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo.training import trainer as trainer_module
+from gspo.rollout import collect as collect_module
+from gspo.rollout.data import build_task
+from gspo.training import cold_start
 from gspo.core.advantages import group_advantages
 from gspo.config import load_config
 from gspo.observe.metrics import read_metrics
 from gspo.models.presets import load_model
 from gspo.observe.report import build_report
-from gspo.training.trainer import DataCursor, Trainer, initial_policy, split_minibatches
+from gspo.rollout.collect import DataCursor, split_minibatches
+from gspo.training.cold_start import initial_policy
+from gspo.training.trainer import Trainer
 from conftest import parity_rewards
 
 STEP_KEYS = [
@@ -112,9 +116,9 @@ def test_sft_cache_is_reused(base, monkeypatch):
     cfg = base["cfg"]
     def no_sft(*args, **kwargs):
         raise AssertionError("SFT ran again despite a cached checkpoint")
-    monkeypatch.setattr(trainer_module, "train_sft", no_sft)
+    monkeypatch.setattr(cold_start, "train_sft", no_sft)
     logs = []
-    model, _, info = initial_policy(cfg, trainer_module.build_task(cfg), log=logs.append,
+    model, _, info = initial_policy(cfg, build_task(cfg), log=logs.append,
                                     progress=False)
     assert info["checkpoint"] == base["summary"]["cold_start"]["checkpoint"]
     assert any("reusing cached SFT checkpoint" in line for line in logs)
@@ -123,7 +127,7 @@ def test_sft_cache_is_reused(base, monkeypatch):
     # a different SFT setting is a cache miss (SFT would run)
     other = base["cfg"].model_copy(update={"sft": cfg.sft.model_copy(update={"lr": 1e-3})})
     with pytest.raises(AssertionError, match="SFT ran again"):
-        initial_policy(other, trainer_module.build_task(other), log=logs.append, progress=False)
+        initial_policy(other, build_task(other), log=logs.append, progress=False)
 
 
 def test_first_run_logged_sft(base):
@@ -282,14 +286,14 @@ def test_dynamic_sampling_keeps_whole_informative_groups(fresh, monkeypatch):
     t = fresh("rollout.group_size=2", "train.minibatches=2", "train.dynamic_sampling=true",
               "train.max_refill_rounds=3", "task.name=multistep")
     G, P = 2, 4
-    widths, real_generate = [], trainer_module.generate
+    widths, real_generate = [], collect_module.generate
 
     def spy(*args, **kwargs):
         out = real_generate(*args, **kwargs)
         widths.append(out.input_ids.shape[1] - out.response_mask.shape[1])   # prompt width
         return out
 
-    monkeypatch.setattr(trainer_module, "generate", spy)
+    monkeypatch.setattr(collect_module, "generate", spy)
     batch, rewards, stats = t.step.collector.collect(0)
     assert stats["reward/refill_rounds"] >= 1, "this seed must exercise the refill"
     assert len(set(widths)) > 1, "rounds of different prompt widths"

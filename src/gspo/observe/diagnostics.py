@@ -1,7 +1,6 @@
-"""Diagnostics beside the loss: length slices, generator-vs-trainer log-prob mismatch, and the
-per-row record of one update (what each sequence's log-probs were when its minibatch was used).
+"""Diagnostics beside the loss: length slices and the generator-vs-trainer log-prob mismatch.
 
-Length slices (DESIGN.md §1 "per length slice", seeds/NOTES.md §8): responses are put in
+Length slices: responses are put in
 ``n`` equal-width buckets of length over 1..max_new_tokens (fixed edges, so a bucket means the
 same thing at every step and in every run); per bucket the share of responses, mean reward,
 accuracy, clipped fraction and mean ratio, the last two from the objective itself on the rows of
@@ -86,23 +85,6 @@ def logprob_mismatch(rollout_logp: Tensor, trainer_logp: Tensor, mask: Tensor,
                           seq.abs().mean(), seq.abs().max()]).tolist()
     names = ["token_abs_mean", "token_abs_max", "seq_logratio_abs_mean", "seq_logratio_abs_max"]
     return {prefix + k: v for k, v in zip(names, values)}
-
-
-# ----------------------------------------------------------------------------- update record
-
-
-def new_record(record: dict, mask: Tensor) -> None:
-    """Start the record of one update: loss mask, π_θ log-probs at use, minibatch of each row."""
-    record.update(mask=mask, logp=torch.zeros(mask.shape, device=mask.device),
-                  minibatch=torch.full(mask.shape[:1], -1, dtype=torch.long, device=mask.device),
-                  loss=[])
-
-
-def record_minibatch(record: dict, idx: Tensor, logp: Tensor, loss: Tensor) -> None:
-    """Note the rows ``idx`` of one minibatch: their log-probs as trained on and the objective's loss."""
-    record["logp"][idx] = logp.detach().float()
-    record["minibatch"][idx] = len(record["loss"])
-    record["loss"].append(loss.detach())
 
 
 # ----------------------------------------------------------------------------- plot

@@ -2,7 +2,7 @@
 
 Produces a ``RolloutBatch`` in the layout every other module uses: prompt tokens left-padded,
 response tokens right-padded, ``response_mask`` = 1 for generated tokens up to and including
-the first EOS (DESIGN.md §1). It does not score or train; it only samples.
+the first EOS (docs/math.md, The rollout batch). It does not score or train; it only samples.
 """
 
 from __future__ import annotations

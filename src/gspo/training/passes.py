@@ -79,13 +79,10 @@ class LogprobPasses:
         self.is_moe = moe.supports_moe(model)
         if routing_replay != "none" or aux_loss:
             moe.moe_layers(model)  # raises a clear ValueError for a model it cannot route
-
-    @property
-    def split_forwards(self) -> bool:
+        self.split_forwards = not self.is_moe or (routing_replay == "none" and not aux_loss)
         """Whether a log-prob pass may run as a trimmed and prompt-shared set of forwards. MoE: only
         when the routing is just captured (its forwards are laid out again, ``cap.layout``), not
         replayed, nor needed in one piece for the aux loss."""
-        return not self.is_moe or (self.routing_replay == "none" and not self.aux_loss)
 
     def logprobs(self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False,
                  rows: Tensor | None = None):
