@@ -216,7 +216,7 @@ def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 def clamp_log_ratio(log_ratio: Tensor) -> tuple[Tensor, Tensor]:
-    """Clamp a log-ratio to ±LOG_RATIO_LIMIT before exp (overflow guard) and count the clamps."""
+    """Clamp a log-ratio to ±LOG_RATIO_LIMIT before exp (no overflow) and count the clamps."""
     n_clamped = (log_ratio.detach().abs() > LOG_RATIO_LIMIT).sum().to(log_ratio.dtype)
     return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), n_clamped
 
@@ -331,7 +331,7 @@ def grpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     """
     adv = _check(logp, old_logp, advantages, mask, per_token=True)            # [N, T] Â_it
     raw = _log_ratio(logp, old_logp, mask)                                    # [N, T] log r_it
-    log_r, n_clamped = clamp_log_ratio(raw)                                            # [N, T] overflow guard
+    log_r, n_clamped = clamp_log_ratio(raw)                                    # [N, T]
     r = torch.exp(log_r)                                                      # [N, T] r_it
     r_clip = r.clamp(1 - eps_low, 1 + eps_high)                               # [N, T] clip(r_it)
     loss_t = -torch.minimum(r * adv, r_clip * adv)                            # [N, T] ℓ_it
