@@ -16,7 +16,9 @@ Usage (a reference from another commit, then this checkout against it)::
     PYTHONPATH=/tmp/base/src python benchmarks/golden.py --record /tmp/golden --configs /tmp/base/configs
     PYTHONPATH=src python benchmarks/golden.py --compare /tmp/golden
 
-CPU only, one thread: a few minutes for the four runs.
+CPU only, one thread: a few minutes for the four runs. Each run's interpreter starts with torch's
+global RNG seeded (a ``sitecustomize`` on PYTHONPATH): torch seeds it at random per process, and
+code that draws from it (a new layer's init) would otherwise differ run to run.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ def train(name: str, configs: Path, work: Path) -> Path:
     run_dir = work / name
     cmd = [sys.executable, "-m", "gspo", "train", str(configs / config), f"run.dir={run_dir}",
            f"sft.cache_dir={work / 'sft-cache' / name}", *COMMON, *overrides]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    site = work / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text("import torch\ntorch.manual_seed(0)\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"golden: {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

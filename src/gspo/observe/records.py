@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from gspo.core import objectives
 from gspo.models.presets import save_model
 
 FORMAT = 1
@@ -95,6 +96,25 @@ class Recorder:
     meta: dict
     """The run's constants for record.json: objective, token aggregation, train / advantage /
     moe settings, sampling, token ids, run seed."""
+
+    @classmethod
+    def for_run(cls, cfg, run_dir: Path, model, tokenizer, sampling) -> "Recorder":
+        """The recorder of a run: ``cfg`` a TrainConfig (audit.every, the objective and the
+        settings record.json keeps), ``sampling`` the generator's SamplingParams."""
+        spec = objectives.spec(cfg.objective.name) \
+            if cfg.objective.name in objectives.available() else None        # sft: no loss
+        meta = {"run_seed": cfg.seed, "objective": None if spec is None else {
+            "name": spec.name, "sequence_level": spec.sequence_level,
+            "kwargs": {**dict(spec.defaults), **cfg.objective_kwargs()}},
+            "token_aggregation": cfg.token_aggregation(),
+            "train": {k: getattr(cfg.train, k) for k in ("old_logprobs", "mask_truncated",
+                      "minibatches", "beta", "entropy_coef", "logprob_chunk")},
+            "advantage": {"scale": cfg.advantage.scale, "eps": cfg.advantage.eps,
+                          "group_size": cfg.rollout.group_size},
+            "moe": cfg.moe.model_dump(), "sampling": asdict(sampling),
+            "tokens": {"eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}}
+        return cls(cfg.audit.every, Path(run_dir), model, tokenizer, spec and spec.fn,
+                   cfg.objective_kwargs(), meta)
 
     def due(self, step: int) -> bool:
         """``step`` 0-based; records are named by the logged (1-based) step."""

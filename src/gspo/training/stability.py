@@ -23,7 +23,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
@@ -46,20 +46,17 @@ class GuardPause(RuntimeError):
         self.checkpoint, self.step = checkpoint, step
 
 
-class RunControl(Protocol):
-    """What the guard asks of the run besides its weights (``gspo.training.trainer.Trainer``)."""
-
+@dataclass
+class RunControl:
+    """What the guard may do to the run besides its weights (the trainer hands it these)."""
+    save_now: Callable[[int], Path]
+    """Checkpoint the run as it is after ``step`` RL steps."""
+    restore: Callable[[object], None]
+    """Weights, optimizer, scheduler, data position and step of a loaded checkpoint."""
+    on_main: Callable
+    """``on_main(fn)``: ``fn()`` on rank 0, its result on every rank."""
     is_main: bool
     """This process writes the event log (rank 0 under torchrun)."""
-
-    def save_now(self, step: int) -> Path:
-        """Checkpoint the run as it is after ``step`` RL steps."""
-
-    def restore(self, loaded) -> None:
-        """Weights, optimizer, scheduler, data position and step of a loaded checkpoint."""
-
-    def on_main(self, fn: Callable):
-        """``fn()`` on rank 0, its result on every rank."""
 
 
 # ----------------------------------------------------------------------------- state copies

@@ -18,14 +18,13 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
 
 from gspo.config import TrainConfig, dump_yaml
-from gspo.core import objectives
 from gspo.errors import Interrupted
 from gspo.models.presets import DTYPES, load_model
 from gspo.observe.metrics import MetricsWriter, NullWriter
@@ -35,14 +34,29 @@ from gspo.rewards.isolation import isolated_rewards
 from gspo.rollout.collect import Collector, DataCursor
 from gspo.rollout.data import build_task, eval_examples
 from gspo.rollout.evaluation import EvalResult, evaluate
-from gspo.rollout.generate import SamplingParams
 from gspo.training import algorithms, distributed
 from gspo.training.checkpoint import load_latest
 from gspo.training.cold_start import initial_policy
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
-from gspo.training.stability import StabilityGuard
+from gspo.training.stability import RunControl, StabilityGuard
 from gspo.training.step import RLStep
+
+
+class StepGuard(Protocol):
+    """The hooks the loop calls around each RL step (gspo.training.stability.StabilityGuard)."""
+
+    def on_start(self, step: int) -> None:
+        """Before the first step of this session (a roll-back needs a checkpoint to go to)."""
+
+    def before_step(self, step: int) -> None:
+        """Learning rate for ``step``; a snapshot when a rule may undo the step."""
+
+    def after_step(self, row: dict) -> int | None:
+        """The verdict on the step's metrics: None to go on, or the step rolled back to."""
+
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict | None) -> None: ...
 
 
 class Trainer:
@@ -90,35 +104,20 @@ class Trainer:
         self.start_step, self.history, self.wall_before = 0, {}, 0.0
         self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard) if self.dist.is_main \
             else NullWriter()
-        self.guard = StabilityGuard(cfg.guard, cfg.faults, self.model, self.optimizer,
-                                    self.scheduler, self.run_dir, self.metrics, run=self, log=self.log)
+        self.guard: StepGuard = StabilityGuard(
+            cfg.guard, cfg.faults, self.model, self.optimizer, self.scheduler, self.run_dir,
+            self.metrics, RunControl(self.save_now, self.restore, self.dist.on_main, self.dist.is_main),
+            log=self.log)
         self.algorithm.setup(algorithms.PolicyParts(
             self.model, self.tokenizer, self.optimizer, self.scheduler, self.device, self.train_set,
             self.ref_model, passes, self.dist))     # ppo: the critic, from the policy
         collector = Collector(cfg, self.model, self.tokenizer, self.task, self.train_set,
                               self.cursor, self.rewards, self.dist, self.device)
+        recorder = Recorder.for_run(cfg, self.run_dir, self.model, self.tokenizer, collector.sampling)
         self.step = RLStep(cfg, self.model, self.optimizer, self.scheduler, collector,
-                           self.algorithm, passes, self.dist, self.recorder(collector.sampling),
-                           self.task, self.ref_model)
+                           self.algorithm, passes, self.dist, recorder, self.task, self.ref_model)
         if self.resume:
             self.restore_latest()
-
-    def recorder(self, sampling: SamplingParams) -> Recorder:
-        """The audit recorder (audit.every), handed the run's constants for record.json."""
-        cfg, name = self.cfg, self.algorithm.objective
-        spec = objectives.spec(name) if name else None
-        meta = {"run_seed": cfg.seed, "objective": None if spec is None else {
-            "name": spec.name, "sequence_level": spec.sequence_level,
-            "kwargs": {**dict(spec.defaults), **cfg.objective_kwargs()}},
-            "token_aggregation": cfg.token_aggregation(),
-            "train": {k: getattr(cfg.train, k) for k in ("old_logprobs", "mask_truncated",
-                      "minibatches", "beta", "entropy_coef", "logprob_chunk")},
-            "advantage": {"scale": cfg.advantage.scale, "eps": cfg.advantage.eps,
-                          "group_size": cfg.rollout.group_size},
-            "moe": cfg.moe.model_dump(), "sampling": asdict(sampling),
-            "tokens": {"eos_id": self.tokenizer.eos_token_id, "pad_id": self.tokenizer.pad_token_id}}
-        return Recorder(cfg.audit.every, self.run_dir, self.model, self.tokenizer,
-                        spec and spec.fn, cfg.objective_kwargs(), meta)
 
     def claim_run_dir(self) -> None:
         """A fresh run never mixes with an old one: refuse, or clear it when run.overwrite is set."""
@@ -173,13 +172,6 @@ class Trainer:
     def save_now(self, step: int) -> Path:
         """Checkpoint of ``step`` done steps, with the wall time so far (the guard's RunControl)."""
         return self.save(step, self.wall())
-
-    @property
-    def is_main(self) -> bool:
-        return self.dist.is_main
-
-    def on_main(self, fn):
-        return self.dist.on_main(fn)
 
     # ----------------------------------------------------------------------------- the loop
     def evaluate(self) -> EvalResult:
