@@ -75,7 +75,7 @@ def test_ppo_logs_value_metrics(ppo_run):
 def test_ppo_moves_policy_and_critic(ppo_run, small_config):
     cfg, trainer = ppo_run["cfg"], ppo_run["trainer"]
     cold, _, _ = initial_policy(cfg, build_task(cfg), log=lambda m: None, progress=False)
-    fresh = Critic.from_policy(cold)
+    fresh = Critic.from_policy(cold, seed=cfg.seed)                      # the run's starting critic
     moved = lambda a, b: any(not torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
     assert moved(cold.parameters(), trainer.model.parameters())
     assert moved(fresh.decoder.parameters(), trainer.algorithm.critic.decoder.parameters())

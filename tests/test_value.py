@@ -47,6 +47,14 @@ def test_explained_variance():
     assert explained_variance(torch.rand(1, 4), torch.ones(1, 4), mask).item() == 0.0
 
 
+def test_critic_head_is_drawn_from_its_seed(tiny):
+    model, _ = tiny
+    state = torch.random.get_rng_state()
+    a, b, c = (Critic.from_policy(model, seed=s).head.weight for s in (0, 0, 1))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(torch.random.get_rng_state(), state)     # the global RNG is untouched
+
+
 def test_critic_starts_from_the_policy_but_is_separate(tiny):
     model, tokenizer = tiny
     critic = Critic.from_policy(model)

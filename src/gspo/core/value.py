@@ -37,12 +37,15 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy(cls, policy: nn.Module) -> "Critic":
-        """A critic whose decoder is a copy of ``policy``'s (same weights, separate parameters)."""
+    def from_policy(cls, policy: nn.Module, seed: int = 0) -> "Critic":
+        """A critic whose decoder is a copy of ``policy``'s (same weights, separate parameters);
+        its head drawn from ``seed`` (torch's global RNG is left as it was)."""
         decoder, _ = decoder_and_head(policy)
         config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") \
             else policy.config
-        critic = cls(copy.deepcopy(decoder), config.hidden_size)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            critic = cls(copy.deepcopy(decoder), config.hidden_size)
         return critic.to(next(policy.parameters()).device).requires_grad_(True)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:

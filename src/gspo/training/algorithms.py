@@ -162,7 +162,7 @@ class PPO:
         single_process(parts, "ppo")
         cfg = self.cfg
         self.passes = parts.passes
-        self.critic = Critic.from_policy(parts.model)
+        self.critic = Critic.from_policy(parts.model, seed=cfg.seed)  # same seed, same critic
         self.optimizer = build_optimizer(self.critic, self.p.critic_lr or cfg.train.lr,
                                          cfg.train.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.schedule, cfg.train.warmup_steps,
