@@ -44,34 +44,36 @@ def main() -> None:
                                     "run.tensorboard=false", *args.overrides])
     trainer = Trainer(cfg, log=lambda m: None)
     trainer.setup()
-    batch, rewards, _ = trainer.collect(0)
-    old_logp = trainer.old_logprobs(batch)                     # captures pi_old's experts
+    step, passes = trainer.step, trainer.step.passes
+    batch, rewards, _ = step.collector.collect(0)
+    old_logp = step.old_logprobs(batch)                        # captures pi_old's experts
     routing = batch.extras["routing"]                          # [N, L, layers, k] uint8
     T = batch.response_mask.shape[1]
 
     # 1. one RL update (all minibatches), then the change of the top-k sets on the same batch
-    trainer.update(batch, group_advantages(rewards, cfg.rollout.group_size), old_logp, 0)
+    adv = group_advantages(rewards, cfg.rollout.group_size)
+    step.update(batch, adv, old_logp, step.plan(batch, adv, 0, optimize=False))
     with torch.no_grad(), moe.capture_routing(trainer.model) as cap:
-        trainer._logprobs(trainer.model, batch, with_entropy=False)
+        passes.logprobs(trainer.model, batch)
     overall, per_layer = moe.routing_change_rate(moe.response_routing(routing, T),
                                                  moe.response_routing(cap.routing, T),
                                                  batch.response_mask)
     # 2. cost of a training pass with and without replay, interleaved
     model = trainer.model
 
-    def step(replay: bool):
+    def train_pass(replay: bool):
         ctx = moe.replay_routing(model, routing) if replay else moe.capture_routing(model)
         with ctx:
-            out = trainer._logprobs(model, batch, with_entropy=True)
+            out = passes.logprobs(model, batch, with_entropy=True)
         (out.logp.sum()).backward()
         model.zero_grad(set_to_none=True)
 
     for replay in (False, True):
-        step(replay)                                            # warm-up
+        train_pass(replay)                                            # warm-up
     plain, replayed = [], []
     for _ in range(args.repeats):
-        plain.append(timed(lambda: step(False), 1))
-        replayed.append(timed(lambda: step(True), 1))
+        plain.append(timed(lambda: train_pass(False), 1))
+        replayed.append(timed(lambda: train_pass(True), 1))
     t_plain, t_replay = statistics.median(plain), statistics.median(replayed)
     n, L = batch.input_ids.shape
     print(f"tiny-moe, N={n} sequences x L={L} positions, {routing.shape[2]} MoE layers, top-{routing.shape[3]}")

@@ -161,9 +161,14 @@ class GspoRunner:
         t = self.trainer
         for _ in range(n):
             t0 = time.perf_counter()
-            t.guard.before_step(t, self.step)       # the body of Trainer.run's loop
-            row = t.step(self.step)
-            t.guard.after_step(t, row)
+            if hasattr(t.guard, "run"):             # the body of Trainer.run's loop
+                t.guard.before_step(self.step)
+                row = t.step(self.step)
+                t.guard.after_step(row)
+            else:                                   # an older gspo: the guard took the trainer
+                t.guard.before_step(t, self.step)
+                row = t.step(self.step)
+                t.guard.after_step(t, row)
             if hasattr(t, "log_row"):
                 t.time_iteration(row, t0)
                 t.log_row(row)
@@ -265,10 +270,11 @@ def make_callback(a: argparse.Namespace, gspo: GspoRunner, results: dict):
 def bench_preset(a: argparse.Namespace, preset: str, tmp: Path) -> dict:
     from gspo import tasks
     from gspo.models.presets import build_model, save_model
-    from gspo.training.trainer import DataCursor
+    from gspo.rollout.collect import DataCursor
 
     if a.init == "coldstart":                       # gspo's cold start of the job, cached
-        from gspo.training.trainer import build_task, initial_policy
+        from gspo.rollout.data import build_task
+        from gspo.training.cold_start import initial_policy
         cfg = job_config(a, preset)
         _, _, info = initial_policy(cfg, build_task(cfg), log=print, progress=False)
         checkpoint = Path(info["checkpoint"])
@@ -277,7 +283,7 @@ def bench_preset(a: argparse.Namespace, preset: str, tmp: Path) -> dict:
         model, tokenizer = build_model(preset, a.seed)
         save_model(model, tokenizer, checkpoint)
     gspo = GspoRunner(a, checkpoint, tmp / f"{preset}-gspo")
-    task = gspo.training.trainer.task
+    task = gspo.trainer.task
     train = task.split("train")
     steps = a.warmup + a.rounds * a.steps
     order = DataCursor(len(train), a.seed).take(a.prompts * steps)   # gspo's prompts, in order
