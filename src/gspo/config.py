@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gspo import advantages, presets
 from gspo.errors import UserError
 
 
@@ -173,12 +174,19 @@ class ObjectiveConfig(Section):
     """Loss aggregation (None: the objective's paper default)."""
     params: dict[str, float] = {}
     """Extra objective hyper-parameters (e.g. {tau_pos: 1.0, tau_neg: 1.05} for sapo)."""
+    preset: str | None = None
+    """A named recipe (gspo.presets.available()): dapo | dr_grpo. Expanded into config values when the config is loaded (objective name, clip range, aggregation, advantage scale, trainer switches; docs/math.md); every key the config sets itself wins. The run's config.yaml shows the expanded values."""
 
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
         from gspo import algorithms
         return one_of("objective", name, algorithms.names())
+
+    @field_validator("preset")
+    @classmethod
+    def _preset(cls, name: str | None) -> str | None:
+        return None if name is None else one_of("objective preset", name, presets.available())
 
     @field_validator("params")
     @classmethod
@@ -216,10 +224,38 @@ class PPOConfig(Section):
 
 
 class AdvantageConfig(Section):
-    scale: Literal["group", "batch", "none"] = "group"
-    """Divide centred rewards by the group std (paper Eq. 6), the batch std, or nothing."""
+    estimator: str = "group"
+    """Baseline of the group-relative advantage (gspo.advantages.available()): group (r_i − group mean, GSPO Eq. 6) | rloo (r_i − mean of the other responses of the group, arXiv 2402.14740)."""
+    scale: Literal["group", "batch", "none"] | None = None
+    """Divide the centred rewards by the group std (paper Eq. 6), the batch std, or nothing. Unset: the estimator's own (group: group; rloo: none), written into the resolved config. rloo takes group or none."""
     eps: float = Field(1e-6, gt=0)
     """Added to the std before dividing."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_scale(cls, data: Any) -> Any:
+        """An unset scale becomes the estimator's (an unknown estimator is reported by its field)."""
+        if isinstance(data, dict) and data.get("scale") is None:
+            name = data.get("estimator", "group")
+            if name in advantages.available():
+                data = {**data, "scale": advantages.default_scale(name)}
+        return data
+
+    @field_validator("estimator")
+    @classmethod
+    def _estimator(cls, name: str) -> str:
+        return one_of("advantage estimator", name, advantages.available())
+
+    @model_validator(mode="after")
+    def _rloo_scale(self) -> "AdvantageConfig":
+        if self.estimator == "rloo" and self.scale == "batch":
+            raise ValueError("advantage.estimator=rloo takes advantage.scale none or group, not batch")
+        return self
+
+
+class DPOConfig(Section):
+    beta: float = Field(0.1, gt=0)
+    """objective.name=dpo: β of the DPO loss −log σ(β[(log π_θ − log π_ref)(y_w) − (log π_θ − log π_ref)(y_l)]) (0.1, as arXiv 2305.18290's experiments and TRL's DPOConfig)."""
 
 
 class TrainLoopConfig(Section):
@@ -378,6 +414,9 @@ class TrainConfig(Section):
     ppo: PPOConfig = PPOConfig()
     """objective.name=ppo: critic, GAE and value loss (docs/baselines.md); ignored otherwise."""
     advantage: AdvantageConfig = AdvantageConfig()
+    """How rewards become advantages: the estimator (group | rloo) and its scaling."""
+    dpo: DPOConfig = DPOConfig()
+    """objective.name=dpo: online DPO on each group's best-vs-worst pair (docs/math.md); ignored otherwise."""
     train: TrainLoopConfig = TrainLoopConfig()
     eval: EvalConfig = EvalConfig()
     moe: MoEConfig = MoEConfig()
@@ -392,6 +431,14 @@ class TrainConfig(Section):
     """Deliberate faults for testing the guard (off by default)."""
     dist: DistConfig = DistConfig()
     """Data-parallel training under torchrun: strategy ddp | fsdp (docs/distributed.md)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        """objective.preset: fill every key the config leaves unset with the preset's value."""
+        if isinstance(data, dict) and isinstance(data.get("objective"), BaseModel):
+            data = {**data, "objective": data["objective"].model_dump(exclude_unset=True)}
+        return presets.expand(data)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

@@ -394,7 +394,8 @@ class Trainer:
         minibatches = self.dist.minibatch_rows(len(advantages), cfg.train.minibatches, gen)  # this rank's
         if not optimize or self.dist.policy is not None:  # fsdp: forwards are collectives, none skipped
             return plan_update(minibatches, None, reuse_first=False)
-        skip = (cfg.train.skip_zero_advantage and self.ref_model is None and cfg.train.entropy_coef == 0
+        skip = (cfg.train.skip_zero_advantage and self.spec.zero_at_zero_advantage  # objective allows it
+                and self.ref_model is None and cfg.train.entropy_coef == 0
                 and cfg.moe.aux_loss_coef == 0 and not self.recorder.due(step))
         live = live_rows(advantages.cpu(), self.loss_mask(batch).cpu()) if skip else None  # [N]
         reuse = (cfg.train.old_logprobs == "recompute" and batch.rollout_logp is None
