@@ -238,6 +238,7 @@ def _token_gated(lr, a, k):
 CLIP_RULES = {
     "gspo": _clip_seq,
     "gspo_token": _clip_seq,
+    "luspo": _clip_seq,              # GSPO's s_i and clip; only the loss is scaled by |y_i|
     # token ratio r = exp(log r), sign-gated (PPO / GRPO / SAPO's reported clip)
     "grpo": _clip_token_frac(_token_gated),
     "sapo": _clip_token_frac(_token_gated),
