@@ -44,6 +44,21 @@ def test_dr_grpo_preset_and_explicit_keys_win():
     assert not mixed.train.dynamic_sampling and mixed.objective.eps_low == 0.2  # the rest expands
 
 
+def test_preset_override_replaces_the_config_files_keys(tmp_path):
+    # configs/default.yaml names objective.name: gspo; objective.preset=dapo on the command line
+    # stands for DAPO's overrides at its place: over the file, under later overrides
+    cfg = load_config("configs/default.yaml", ["objective.preset=dapo", "objective.eps_high=0.3"])
+    assert (cfg.objective.name, cfg.objective.aggregation) == ("grpo", "token-mean")
+    assert (cfg.objective.eps_low, cfg.objective.eps_high) == (0.2, 0.3)
+    earlier = load_config("configs/default.yaml", ["objective.eps_high=0.3", "objective.preset=dapo"])
+    assert earlier.objective.eps_high == 0.28
+    # in a YAML file the preset fills what the file leaves unset
+    (tmp_path / "c.yaml").write_text("objective: {preset: dapo, name: gspo, eps_high: 0.3}\n")
+    in_file = load_config(tmp_path / "c.yaml")
+    assert (in_file.objective.name, in_file.objective.eps_high) == ("gspo", 0.3)
+    assert in_file.objective.aggregation == "token-mean" and in_file.train.dynamic_sampling
+
+
 def test_preset_errors_are_one_line_and_expand_leaves_its_input_alone():
     with pytest.raises(ConfigError, match=r"objective\.preset: unknown objective preset 'dap'; "
                                           r"did you mean 'dapo'\?"):

@@ -175,7 +175,7 @@ class ObjectiveConfig(Section):
     params: dict[str, float] = {}
     """Extra objective hyper-parameters (e.g. {tau_pos: 1.0, tau_neg: 1.05} for sapo)."""
     preset: str | None = None
-    """A named recipe (gspo.presets.available()): dapo | dr_grpo. Expanded into config values when the config is loaded (objective name, clip range, aggregation, advantage scale, trainer switches; docs/math.md); every key the config sets itself wins. The run's config.yaml shows the expanded values."""
+    """A named recipe (gspo.presets.available()): dapo | dr_grpo. Expanded into config values when the config is loaded (objective name, clip range, aggregation, advantage scale, trainer switches; docs/math.md): in a YAML file the file's own keys win; as a key=value override it stands for the preset's overrides at its place (over the file and earlier overrides, under later ones). The run's config.yaml shows the expanded values."""
 
     @field_validator("name")
     @classmethod
@@ -545,10 +545,15 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], source
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
                 model: type[BaseModel] = TrainConfig) -> Any:
-    """Read ``path`` (optional), apply ``key=value`` overrides, validate. Raises ConfigError."""
+    """Read ``path`` (optional), apply ``key=value`` overrides, validate. Raises ConfigError.
+
+    An ``objective.preset=NAME`` override is expanded where it stands (gspo.presets.expand)."""
     tree = read_yaml(path) if path else {}
     for text in overrides:
-        apply_override(tree, *parse_override(text))
+        key, value = parse_override(text)
+        apply_override(tree, key, value)
+        if key == ["objective", "preset"]:   # its values, here: over the file and earlier overrides
+            tree = presets.expand(tree, replace=True)
     source = str(path) if path else "config"
     try:
         return model.model_validate(tree)

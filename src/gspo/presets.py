@@ -2,10 +2,16 @@
 
 A preset is a set of dotted config keys and values taken from its paper (which loss, which clip
 range, how the loss is aggregated, how advantages are scaled, which trainer switches). Loading a
-config expands the preset into the config tree *before* validation: every key the config (file or
-``key=value`` override) sets itself wins, every other key takes the preset's value. The resolved
-config that a run writes (``run.dir/config.yaml``) therefore shows what the preset expanded to,
-and expanding it again changes nothing.
+config expands the preset into the config tree *before* validation:
+
+* ``objective.preset`` in a YAML file: every key the file sets itself wins, every other preset key
+  takes the preset's value;
+* ``objective.preset=NAME`` as a command-line override: it stands for the preset's ``key=value``
+  overrides at its place in the list: over the config file and earlier overrides, under later
+  ones (``objective.preset=dapo objective.eps_high=0.3`` is DAPO with ε_high 0.3).
+
+The resolved config that a run writes (``run.dir/config.yaml``) shows what the preset expanded
+to, and expanding it again changes nothing.
 
 Pure data and one function on dicts: no torch, no config model (``gspo.config`` calls ``expand``).
 What a preset leaves out of its paper's recipe is stated in its ``missing`` field and in
@@ -58,10 +64,12 @@ def get(name: str) -> Preset:
     return _REGISTRY[name]
 
 
-def expand(tree: Any) -> Any:
+def expand(tree: Any, *, replace: bool = False) -> Any:
     """``tree`` (a raw config mapping) with its ``objective.preset`` expanded: a new dict in which
-    every preset key the tree does not set holds the preset's value. Anything else (no preset, an
-    unknown one, a tree that is not a mapping) comes back unchanged, for validation to report."""
+    every preset key the tree does not set holds the preset's value (``replace``: every preset key,
+    set or not: a preset given as a ``key=value`` override stands for its values at that place,
+    over the config file's). Anything else (no preset, an unknown one, a tree that is not a
+    mapping) comes back unchanged, for validation to report."""
     if not isinstance(tree, Mapping):
         return tree
     objective = tree.get("objective")
@@ -78,7 +86,8 @@ def expand(tree: Any) -> Any:
                 break
             node = child
         else:
-            node.setdefault(field, value)
+            if replace or field not in node:
+                node[field] = value
     return out
 
 
