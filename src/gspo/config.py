@@ -164,7 +164,7 @@ class RolloutConfig(Section):
 
 class ObjectiveConfig(Section):
     name: str = "gspo"
-    """Policy loss from the registry (gspo.objectives.available()), with group-relative advantages; or a baseline (gspo.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget)."""
+    """Policy loss from the registry (gspo.objectives.available()), with group-relative advantages; or a baseline (gspo.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget) | dpo (online DPO on each group's best-vs-worst pair, see the dpo section)."""
     eps_low: float | None = Field(None, gt=0)
     """Lower clip range (None: the objective's paper default; GSPO 3e-4)."""
     eps_high: float | None = Field(None, gt=0)
@@ -225,7 +225,7 @@ class PPOConfig(Section):
 
 class AdvantageConfig(Section):
     estimator: str = "group"
-    """Baseline of the group-relative advantage (gspo.advantages.available()): group (r_i − group mean, GSPO Eq. 6) | rloo (r_i − mean of the other responses of the group, arXiv 2402.14740)."""
+    """Baseline of the group-relative advantage (gspo.advantages.available()): group (r_i − group mean, GSPO Eq. 6) | rloo (r_i − mean of the other responses of the group, arXiv 2402.14740). For the group-relative objectives; ppo uses GAE, sft and dpo no advantages."""
     scale: Literal["group", "batch", "none"] | None = None
     """Divide the centred rewards by the group std (paper Eq. 6), the batch std, or nothing. Unset: the estimator's own (group: group; rloo: none), written into the resolved config. rloo takes group or none."""
     eps: float = Field(1e-6, gt=0)
