@@ -33,9 +33,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gspo import objectives
-from gspo.objectives import dpo_loss, sequence_logprobs
 from gspo.advantages import best_worst_pairs, gae, whiten
 from gspo.isolation import advantages_with_drops
+from gspo.objectives import dpo_loss, sequence_logprobs
 from gspo.optim import build_optimizer, build_scheduler, clipped_step
 from gspo.rollout import RolloutBatch, demonstration_batch
 from gspo.sft import sft_loss
@@ -339,9 +339,10 @@ class OnlineDPO:
             loss, stats = dpo_loss(seq_w, seq_l, ref_w[part_d], ref_l[part_d], beta=cfg.dpo.beta)
             norm = clipped_step(loss, t.model.parameters(), t.optimizer, t.scheduler,
                                 cfg.train.grad_clip)
-            for k, v in {"dpo/loss": loss.detach(), "optim/grad_norm": norm.detach(),
-                         **{f"dpo/{k}": v for k, v in stats.items()}}.items():
-                collected.setdefault(k, []).append(v.float())
+            logged = {"dpo/loss": loss.detach(), "optim/grad_norm": norm.detach(),
+                      **{f"dpo/{name}": x for name, x in stats.items()}}
+            for key, x in logged.items():
+                collected.setdefault(key, []).append(x.float())
         keys = list(collected)
         numbers = torch.stack([torch.stack(collected[k]).mean() for k in keys]).tolist()
         return {**out, **dict(zip(keys, numbers)), "optim/lr": t.scheduler.get_last_lr()[0]}
