@@ -75,8 +75,11 @@ class RunLock:
 
 
 def holder_info() -> dict:
+    """What a refused writer is told about this process."""
+    program = Path(sys.argv[0]).name
+    program = "gspo" if program in ("__main__.py", "gspo") else program  # python -m gspo
     return {"pid": os.getpid(), "host": socket.gethostname(),
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "command": " ".join([program, *sys.argv[1:]]),
             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 

@@ -123,6 +123,6 @@ def save_torch(obj, path: Path) -> None:
         try:
             torch.save(obj, out)
         except Exception as err:
-            if out.error is not None and os_error(err) is None:
-                raise out.error from err
+            if out.error is not None:
+                raise out.error from None   # (torch's own error says less)
             raise
