@@ -40,10 +40,10 @@ from gspo.models import build_model, load_model
 from gspo.optim import build_optimizer, build_scheduler
 from gspo.plan import UpdatePlan, live_rows, plan_update
 from gspo.rewards import build_rewards
-from gspo.rundir import RunLock
-from gspo.storage import write_atomic, writing
 from gspo.rollout import RolloutBatch, SamplingParams, generate
+from gspo.rundir import RunLock
 from gspo.sft import cache_key, cached_checkpoint, save_cold_start, train_sft
+from gspo.storage import write_atomic, writing
 from gspo.timing import PARTS, StepTimer, breakdown
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -191,7 +191,8 @@ class Trainer:
         left half-written; a fresh run never mixes with an old one: refuse, or clear it when
         run.overwrite is set."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_lock = RunLock.acquire(self.run_dir, log=self.log)
+        if self.run_lock is None or not self.run_lock.held:  # (set up twice: still ours)
+            self.run_lock = RunLock.acquire(self.run_dir, log=self.log)
         remove_partial(self.run_dir)
         previous = [self.run_dir / n for n in ("metrics.jsonl", "checkpoints", "summary.json", "tb",
                                                "events.jsonl", "audit")]
