@@ -265,3 +265,22 @@ def test_a_metrics_row_is_never_left_half_written(tmp_path, monkeypatch):
     writer.write({"step": 2, "reward/mean": 0.25})
     assert read_metrics(tmp_path) == [{"step": 1, "reward/mean": 0.5},
                                       {"step": 2, "reward/mean": 0.25}]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_full_disk_under_tensorboard_is_one_named_error(tmp_path, monkeypatch, capsys):
+    """TensorBoard writes in its own thread: the failure is raised on the writer's next call as
+    WriteFailed naming the events folder, and the thread prints no traceback of its own."""
+    from tensorboard.summary.writer import record_writer
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    writer = MetricsWriter(tmp_path, tensorboard=True)
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    with pytest.raises(WriteFailed) as caught:
+        for step in range(1, 50):          # the thread fails on the first; a later call says so
+            writer.write({"step": step, "reward/mean": 0.5})
+            writer.flush()
+    assert caught.value.what == "TensorBoard events" and caught.value.path == tmp_path / "tb"
+    assert caught.value.reason == "No space left on device (errno 28)"
+    assert "Traceback" not in capsys.readouterr().err
