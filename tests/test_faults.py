@@ -270,6 +270,67 @@ def test_disk_full_mid_run_then_resume_with_just_enough_room(ref, capsys, monkey
     _assert_same_run(run, ref["run"])
 
 
+# A real full disk: a 100 MB tmpfs in a private mount namespace (unshare: no root needed where
+# user namespaces are allowed). The run's disk is filled by another process once the step-2
+# checkpoint exists; the run and, after the filler is removed, its resume are copied out.
+TMPFS_SCRIPT = r"""
+set -u
+mount -t tmpfs -o size=100m tmpfs "$MNT" || exit 97
+"$PY" -m gspo train "$CONFIG" 2> "$OUT/first.err" &
+pid=$!
+while [ ! -d "$RUN/checkpoints/step_000002" ] && kill -0 $pid 2>/dev/null; do sleep 0.02; done
+dd if=/dev/zero of="$MNT/fill" bs=1M 2>/dev/null
+wait $pid; echo $? > "$OUT/first.rc"
+cp -a "$RUN" "$OUT/after-fault"
+rm "$MNT/fill"
+df -B1 --output=avail "$MNT" | tail -1 > "$OUT/free"
+"$PY" -m gspo train --resume "$RUN" 2> "$OUT/resume.err"; echo $? > "$OUT/resume.rc"
+cp -a "$RUN" "$OUT/resumed"
+"""
+
+
+def test_a_real_full_disk_then_resume_on_the_freed_space(ref, tmp_path):
+    """On a real file system that fills: exit 4 and one line naming a file and the newest
+    complete checkpoint; whole metrics rows and a verified newest checkpoint. Then, on the freed
+    space (the 2 kept checkpoints still on it: less than the 4 checkpoints + 64 MB the old
+    estimate asked for, more than the one more + 64 MB a resume needs), the resume runs and
+    gives the uninterrupted run."""
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs tmpfs {tmp_path}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("cannot mount a tmpfs in a user namespace here")
+    mnt, out = tmp_path / "mnt", tmp_path / "out"
+    mnt.mkdir()
+    out.mkdir()
+    config, run = ref["make"]("tmpfs", f"run.dir={mnt / 'run'}")
+    env = {**ref["env"], "MNT": str(mnt), "OUT": str(out), "RUN": str(run), "CONFIG": str(config),
+           "PY": sys.executable}
+    done = subprocess.run(["unshare", "-rm", "bash", "-c", TMPFS_SCRIPT], env=env, timeout=400,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first = (out / "first.err").read_text()
+    assert (out / "first.rc").read_text().strip() == "4", first[-2000:]
+    assert "Traceback" not in first and first.count("gspo: error") == 1
+    faulted = out / "after-fault"
+    newest = list_checkpoints(faulted)[-1]
+    step = int(newest.name.removeprefix("step_"))
+    last = first.strip().splitlines()[-1]
+    assert last.startswith("gspo: error: could not write ") and "No space left on device" in last
+    assert last.endswith(f"the last complete checkpoint is {run / 'checkpoints' / newest.name} "
+                         f"(step {step}); free space, then continue with: gspo train --resume "
+                         f"{run}")
+    verify(newest)
+    assert not any(p.name.startswith(".") for p in (faulted / "checkpoints").iterdir())
+    text = (faulted / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(x)["step"] for x in text.splitlines()][:step + 1] \
+        == list(range(step + 1))
+    one = preflight.checkpoint_bytes(load_config(str(config)))
+    margin = preflight.MIN_FREE_MB * preflight.MB
+    assert one + margin <= int((out / "free").read_text()) < 4 * one + margin
+    assert (out / "resume.rc").read_text().strip() == "0", (out / "resume.err").read_text()[-2000:]
+    _assert_same_run(out / "resumed", ref["run"])
+
+
 # ------------------------------------------------------------------------------- one writer
 
 def _one_error_line(capsys) -> str:
