@@ -3,9 +3,9 @@
 ``check_train(cfg, resume)`` looks at what the config points to: the files it names (task data,
 ``model.path``, reward models), the model architecture (preset overrides, MoE switches), and the
 output folders (a previous run, writable, enough free space for the checkpoints still to be
-written: on resume those already in the folder count). Data and reward
-code are checked when the ``Trainer`` builds its task and rewards, also before any model, and
-``check_rewards`` scores a few training demonstrations with every reward source.
+written: on resume those already in the folder count). Data and reward code are checked when the
+``Trainer`` builds its task and rewards, also before any model, and ``check_rewards`` scores a
+few training demonstrations with every reward source.
 ``user_input()`` turns the errors those raise into one-line ``UserError``s: a ValueError or
 OSError *inside* training is a bug and keeps its traceback.
 

@@ -83,7 +83,8 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
                                 progress=progress)
             info = {**info, "sft_steps": cfg.sft.steps, "sft_final_loss": history[-1]["sft/loss"],
                     "sft_seconds": time.time() - t0, "cache_key": key}
-            hit = save_cold_start(model, tokenizer, cfg.sft.cache_dir, key, info)
+            with writing("the cold-start checkpoint", Path(cfg.sft.cache_dir) / key):  # disk full
+                hit = save_cold_start(model, tokenizer, cfg.sft.cache_dir, key, info)
             log(f"cold start: saved {hit}")
         info["checkpoint"] = str(hit)
     return model.to(device), tokenizer, info
