@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -494,6 +495,13 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], source
         return f"{source}: {msg}"
     got = first.get("input")
     return f"{source}: {key}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})")
+
+
+def shipped_config(name: str = "default.yaml") -> Path:
+    """A config file inside the installed package (``gspo/configs/<name>``, a byte copy of the
+    repository's ``configs/<name>``). ``default.yaml`` is the main job: what ``gspo train``,
+    ``gspo sft`` and ``gspo eval`` read when no config file is given, also outside the repository."""
+    return Path(str(resources.files("gspo") / "configs" / name))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
