@@ -124,7 +124,7 @@ def cmd_eval(args) -> int:
         cfg = command_config(args)
         check_checkpoint("--checkpoint", args.checkpoint)
         task = build_task(cfg)
-    model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype])
+    model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype], key="--checkpoint")
     model.to(resolve_device(cfg.model.device))
     tests = eval_examples(task, cfg)
     result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
