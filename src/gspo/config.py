@@ -4,6 +4,9 @@ One pydantic model per command (``TrainConfig`` for ``gspo train``; ``gspo sft``
 ``gspo eval`` read the same sections). Every field carries a docstring, unknown keys are errors
 with a "did you mean", and all of it is checked before any model is built.
 ``ConfigError`` carries a one-line, user-facing message; the CLI prints it and exits 2.
+The field defaults are the base every config file overrides, not a job of their own: the main
+job is ``configs/default.yaml``, shipped in the package (``shipped_config()``), which ``gspo train``
+/ ``sft`` / ``eval`` read when no config file is given.
 """
 
 from __future__ import annotations
