@@ -4,7 +4,8 @@ User errors (config, data, unknown names, missing files, unwritable output) are 
 preflight phase (``gspo.tools.preflight``), before any model is built: one line, exit 2. Inside
 training only ``UserError``s (a failing reward under ``rewards.on_error=fail``) are one line;
 anything else is a bug and keeps its traceback. SIGINT / SIGTERM save a checkpoint and exit
-128 + signal (130 / 143). Exit codes: docs/reliability.md.
+128 + signal (130 / 143); a run file that cannot be written (a full disk) is one line naming it,
+the last complete checkpoint and the resume command, exit 4. Exit codes: docs/reliability.md.
 
 The top layer: nothing imports it. Each command imports the library modules it needs when it
 runs, so that ``gspo --help`` and ``gspo report`` start without loading torch; no other gspo
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from gspo.errors import EXIT_USAGE, Interrupted, UserError
+from gspo.errors import EXIT_USAGE, Interrupted, UserError, WriteFailed
 
 
 def _quiet_libraries() -> None:
@@ -30,13 +31,15 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _config(args, default: str | None = None):
-    from gspo.config import load_config
-    path = args.config if args.config else default
-    return load_config(path, args.overrides)
+def command_config(args):
+    """The config file given, else the main job shipped in the package (gspo/configs/default.yaml),
+    with the overrides applied. (The code defaults of ``TrainConfig`` are only the base that every
+    file overrides; the command line never runs them bare.)"""
+    from gspo.config import load_config, shipped_config
+    return load_config(args.config or shipped_config(), args.overrides)
 
 
-def _split_config_and_overrides(args) -> None:
+def split_config_and_overrides(args) -> None:
     """`gspo train a.yaml k=v` and `gspo train k=v` both work: the config is the arg without '='."""
     items = ([args.config] if args.config else []) + list(args.overrides)
     configs = [x for x in items if "=" not in x]
@@ -51,6 +54,7 @@ def cmd_train(args) -> int:
     from gspo.observe.report import build_report
     from gspo.tools.preflight import check_rewards, check_train, user_input
     from gspo.training import distributed
+    from gspo.training.rundir import write_faults
     from gspo.training.signals import GracefulStop
     from gspo.training.stability import GuardPause
     from gspo.training.trainer import Trainer
@@ -60,20 +64,23 @@ def cmd_train(args) -> int:
             if not run_cfg.is_file():
                 raise UserError(f"--resume {args.resume}: no config.yaml (not a gspo run folder)")
             args.config = str(run_cfg)
-        cfg = _config(args)
+        cfg = command_config(args)
         if args.resume:
             cfg.run.dir = args.resume
         check_train(cfg, resume=bool(args.resume))
         ranks = distributed.init_from_env(cfg.dist.timeout_s)  # under torchrun (docs/distributed.md)
         trainer = Trainer(cfg, resume=bool(args.resume))
         check_rewards(trainer.rewards, trainer.train_set)
+    reported = (f"training finished (summary.json and the final checkpoint are saved): free "
+                f"space, then write the report with: gspo report {cfg.run.dir}")
     try:
-        with GracefulStop(cfg.run.dir) as trainer.stop:  # SIGINT/SIGTERM: checkpoint, then exit
-            summary = trainer.run()
+        with GracefulStop(cfg.run.dir) as trainer.stop, write_faults(cfg.run.dir):
+            summary = trainer.run()            # SIGINT/SIGTERM: checkpoint, then exit; disk full: 4
     except GuardPause as pause:                  # (every rank pauses at the same step)
         distributed.shutdown()
         if ranks.is_main:
-            report = build_report(cfg.run.dir)
+            with write_faults(cfg.run.dir):
+                report = build_report(cfg.run.dir)
             print(f"gspo: paused: {pause} (report: {report})", file=sys.stderr)
         return pause.exit_code
     except BaseException:
@@ -82,7 +89,8 @@ def cmd_train(args) -> int:
     distributed.shutdown()
     if not ranks.is_main:  # rank 0 reports for all
         return 0
-    report = build_report(cfg.run.dir)
+    with write_faults(cfg.run.dir, after=reported):
+        report = build_report(cfg.run.dir)
     b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     print(f"held-out accuracy: {b:.3f} (cold start) -> {a:.3f} (after {summary['steps']} "
           f"{summary['objective']} steps), {summary['wall_s']:.0f} s")
@@ -96,7 +104,7 @@ def cmd_sft(args) -> int:
     from gspo.rollout.data import build_task
     from gspo.training.cold_start import initial_policy
     with user_input():
-        cfg = _config(args)
+        cfg = command_config(args)
         check_files(cfg)
         check_model(cfg)
         task = build_task(cfg)
@@ -114,10 +122,10 @@ def cmd_eval(args) -> int:
     from gspo.rollout.evaluation import evaluate
     from gspo.tools.preflight import check_checkpoint, user_input
     with user_input():
-        cfg = _config(args)
+        cfg = command_config(args)
         check_checkpoint("--checkpoint", args.checkpoint)
         task = build_task(cfg)
-    model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype])
+    model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype], key="--checkpoint")
     model.to(resolve_device(cfg.model.device))
     tests = eval_examples(task, cfg)
     result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -163,7 +171,8 @@ def cmd_report(args) -> int:
 
 # --------------------------------------------------------------------------------- parser
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
+    p.add_argument("config", nargs="?", help="YAML config (default: the main job, "
+                   "the package's copy of configs/default.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 seed=1")
 
 
@@ -226,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         if hasattr(args, "overrides"):
-            _split_config_and_overrides(args)
+            split_config_and_overrides(args)
         return args.fn(args)
     except UserError as err:  # the user's to fix wherever raised (ConfigError, RewardError,
         # AuditError...); a ValueError or OSError is one only inside user_input() (preflight)
@@ -235,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as stop:
         print(f"gspo: {stop}", file=sys.stderr)
         return stop.exit_code
+    except WriteFailed as fault:            # a full disk mid-run: what, where, how to resume
+        print(f"gspo: error: {fault}", file=sys.stderr)
+        return fault.exit_code
     except KeyboardInterrupt:
         print("gspo: interrupted", file=sys.stderr)
         return 130

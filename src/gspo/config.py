@@ -4,11 +4,15 @@ One pydantic model per command (``TrainConfig`` for ``gspo train``; ``gspo sft``
 ``gspo eval`` read the same sections). Every field carries a docstring, unknown keys are errors
 with a "did you mean", keys that moved are refused naming their new place (``MOVED``), and all
 of it is checked before any model is built. ``ConfigError`` carries a one-line, user-facing
-message; the CLI prints it and exits 2.
+message; the CLI prints it and exits 2. The field defaults are the base every config file
+overrides, not a job of their own: the main job is ``configs/default.yaml``, shipped in the
+package (``shipped_config()``), which ``gspo train`` / ``sft`` / ``eval`` read when no config
+file is given.
 
-Layer: above the registries it validates names against (``gspo.core.objectives``,
-``gspo.models``, ``gspo.tasks``, ``gspo.rewards``, the stability rules of ``gspo.observe``) and
-below everything that reads a config (``gspo.rollout``, ``gspo.training``, ``gspo.tools``).
+Layer: above the registries it validates names against (``gspo.core.objectives`` and
+``advantages``, ``gspo.objective_presets``, ``gspo.models``, ``gspo.tasks``, ``gspo.rewards``, the
+stability rules of ``gspo.observe``) and below everything that reads a config (``gspo.rollout``,
+``gspo.training``, ``gspo.tools``).
 """
 
 from __future__ import annotations
@@ -17,21 +21,23 @@ import difflib
 import hashlib
 import json
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gspo.core import objectives
+from gspo import objective_presets as presets
+from gspo.core import advantages, objectives
 from gspo.errors import UserError
 from gspo.models.presets import available_presets
 from gspo.observe.stability_rules import check_rule
 from gspo.rewards.sources import source_types
 from gspo import tasks
 
-BASELINES = ("sft",)
-"""objective.name values that are not a policy loss: continued SFT at RL's budget
+BASELINES = ("dpo", "sft")
+"""objective.name values that are not a policy loss: online DPO and continued SFT at RL's budget
 (gspo.training.algorithms implements them; every other name is a gspo.core.objectives loss)."""
 
 MOVED = {"reward": "rewards"}
@@ -178,7 +184,7 @@ class RolloutConfig(Section):
 
 class ObjectiveConfig(Section):
     name: str = "gspo"
-    """Policy loss from the registry (gspo.core.objectives.available()), with group-relative advantages; or a baseline (gspo.training.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget)."""
+    """Policy loss from the registry (gspo.core.objectives.available()), with group-relative advantages; or a baseline (gspo.training.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget) | dpo (online DPO on each group's best-vs-worst pair, see the dpo section)."""
     eps_low: float | None = Field(None, gt=0)
     """Lower clip range (None: the objective's paper default; GSPO 3e-4)."""
     eps_high: float | None = Field(None, gt=0)
@@ -188,11 +194,18 @@ class ObjectiveConfig(Section):
     """Loss aggregation (None: the objective's paper default)."""
     params: dict[str, float] = {}
     """Extra objective hyper-parameters (e.g. {tau_pos: 1.0, tau_neg: 1.05} for sapo)."""
+    preset: str | None = None
+    """A named recipe (gspo.objective_presets.available()): dapo | dr_grpo. Expanded into config values when the config is loaded (objective name, clip range, aggregation, advantage scale, trainer switches; docs/math.md): in a YAML file the file's own keys win; as a key=value override it stands for the preset's overrides at its place (over the file and earlier overrides, under later ones). The run's config.yaml shows the expanded values."""
 
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
         return one_of("objective", name, objective_names())
+
+    @field_validator("preset")
+    @classmethod
+    def _preset(cls, name: str | None) -> str | None:
+        return None if name is None else one_of("objective preset", name, presets.available())
 
     @field_validator("params")
     @classmethod
@@ -229,10 +242,38 @@ class PPOConfig(Section):
 
 
 class AdvantageConfig(Section):
-    scale: Literal["group", "batch", "none"] = "group"
-    """Divide centred rewards by the group std (paper Eq. 6), the batch std, or nothing."""
+    estimator: str = "group"
+    """Baseline of the group-relative advantage (gspo.core.advantages.available()): group (r_i − group mean, GSPO Eq. 6) | rloo (r_i − mean of the other responses of the group, arXiv 2402.14740). For the group-relative objectives; ppo uses GAE, sft and dpo no advantages."""
+    scale: Literal["group", "batch", "none"] | None = None
+    """Divide the centred rewards by the group std (paper Eq. 6), the batch std, or nothing. Unset: the estimator's own (group: group; rloo: none), written into the resolved config. rloo takes group or none."""
     eps: float = Field(1e-6, gt=0)
     """Added to the std before dividing."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_scale(cls, data: Any) -> Any:
+        """An unset scale becomes the estimator's (an unknown estimator is reported by its field)."""
+        if isinstance(data, dict) and data.get("scale") is None:
+            name = data.get("estimator", "group")
+            if name in advantages.available():
+                data = {**data, "scale": advantages.default_scale(name)}
+        return data
+
+    @field_validator("estimator")
+    @classmethod
+    def _estimator(cls, name: str) -> str:
+        return one_of("advantage estimator", name, advantages.available())
+
+    @model_validator(mode="after")
+    def _rloo_scale(self) -> "AdvantageConfig":
+        if self.estimator == "rloo" and self.scale == "batch":
+            raise ValueError("advantage.estimator=rloo takes advantage.scale none or group, not batch")
+        return self
+
+
+class DPOConfig(Section):
+    beta: float = Field(0.1, gt=0)
+    """objective.name=dpo: β of the DPO loss −log σ(β[(log π_θ − log π_ref)(y_w) − (log π_θ − log π_ref)(y_l)]) (0.1, as arXiv 2305.18290's experiments and TRL's DPOConfig)."""
 
 
 class TrainLoopConfig(Section):
@@ -390,6 +431,9 @@ class TrainConfig(Section):
     ppo: PPOConfig = PPOConfig()
     """objective.name=ppo: critic, GAE and value loss (docs/baselines.md); ignored otherwise."""
     advantage: AdvantageConfig = AdvantageConfig()
+    """How rewards become advantages: the estimator (group | rloo) and its scaling."""
+    dpo: DPOConfig = DPOConfig()
+    """objective.name=dpo: online DPO on each group's best-vs-worst pair (docs/math.md); ignored otherwise."""
     train: TrainLoopConfig = TrainLoopConfig()
     eval: EvalConfig = EvalConfig()
     moe: MoEConfig = MoEConfig()
@@ -421,6 +465,14 @@ class TrainConfig(Section):
             raise ValueError("rewards is a section now; did you mean rewards.sources? "
                              "(e.g. rewards.sources=[{type: verifier}])")
         return tree
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        """objective.preset: fill every key the config leaves unset with the preset's value."""
+        if isinstance(data, dict) and isinstance(data.get("objective"), BaseModel):
+            data = {**data, "objective": data["objective"].model_dump(exclude_unset=True)}
+        return presets.expand(data)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -547,12 +599,24 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], source
     return f"{source}: {key}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})")
 
 
+def shipped_config(name: str = "default.yaml") -> Path:
+    """A config file inside the installed package (``gspo/configs/<name>``, a byte copy of the
+    repository's ``configs/<name>``). ``default.yaml`` is the main job: what ``gspo train``,
+    ``gspo sft`` and ``gspo eval`` read when no config file is given, also outside the repository."""
+    return Path(str(resources.files("gspo") / "configs" / name))
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
                 model: type[BaseModel] = TrainConfig) -> Any:
-    """Read ``path`` (optional), apply ``key=value`` overrides, validate. Raises ConfigError."""
+    """Read ``path`` (optional), apply ``key=value`` overrides, validate. Raises ConfigError.
+
+    An ``objective.preset=NAME`` override is expanded where it stands (gspo.objective_presets.expand)."""
     tree = read_yaml(path) if path else {}
     for text in overrides:
-        apply_override(tree, *parse_override(text))
+        key, value = parse_override(text)
+        apply_override(tree, key, value)
+        if key == ["objective", "preset"]:   # its values, here: over the file and earlier overrides
+            tree = presets.expand(tree, replace=True)
     source = str(path) if path else "config"
     try:
         return model.model_validate(tree)

@@ -109,8 +109,8 @@ class Recorder:
             "token_aggregation": cfg.token_aggregation(),
             "train": {k: getattr(cfg.train, k) for k in ("old_logprobs", "mask_truncated",
                       "minibatches", "beta", "entropy_coef", "logprob_chunk")},
-            "advantage": {"scale": cfg.advantage.scale, "eps": cfg.advantage.eps,
-                          "group_size": cfg.rollout.group_size},
+            "advantage": {"estimator": cfg.advantage.estimator, "scale": cfg.advantage.scale,
+                          "eps": cfg.advantage.eps, "group_size": cfg.rollout.group_size},
             "moe": cfg.moe.model_dump(), "sampling": asdict(sampling),
             "tokens": {"eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}}
         return cls(cfg.audit.every, Path(run_dir), model, tokenizer, spec and spec.fn,

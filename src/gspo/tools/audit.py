@@ -24,8 +24,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from gspo.config import load_config
-from gspo.core import objectives
-from gspo.core.advantages import group_advantages
+from gspo.core import advantages, objectives
 from gspo.core.logprobs import response_logprobs
 from gspo.errors import UserError
 from gspo.models import moe
@@ -120,6 +119,7 @@ def _token_gated(lr, a, k):
 CLIP_RULES = {
     "gspo": _clip_seq,
     "gspo_token": _clip_seq,
+    "luspo": _clip_seq,              # GSPO's s_i and clip; only the loss is scaled by |y_i|
     # token ratio r = exp(log r), sign-gated (PPO / GRPO / SAPO's reported clip)
     "grpo": _clip_token_frac(_token_gated),
     "sapo": _clip_token_frac(_token_gated),
@@ -265,9 +265,10 @@ def _input_checks(cfg, meta: dict, t: dict, r: Recomputed, tol: Tolerances) -> l
         "token ids decode to the saved text")))
     checks.append(_rescore(cfg, meta, completions, t["rewards"], tol.reward))
     a = meta["advantage"]
-    adv = group_advantages(t["rewards"], a["group_size"], scale=a["scale"], eps=a["eps"])
+    estimator = a.get("estimator", "group")                 # records before rloo: group
+    adv = advantages.get(estimator)(t["rewards"], a["group_size"], scale=a["scale"], eps=a["eps"])
     checks.append(_compare("advantages", t["advantages"], adv, 1e-5,
-                           what="group advantages of the saved rewards"))
+                           what=f"{estimator} advantages of the saved rewards"))
     return checks
 
 

@@ -2,9 +2,10 @@
 
 ``check_train(cfg, resume)`` looks at what the config points to: the files it names (task data,
 ``model.path``, reward models), the model architecture (preset overrides, MoE switches), and the
-output folders (a previous run, writable, enough free space for the checkpoints). Data and reward
-code are checked when the ``Trainer`` builds its task and rewards, also before any model, and
-``check_rewards`` scores a few training demonstrations with every reward source.
+output folders (a previous run, writable, enough free space for the checkpoints still to be
+written: on resume those already in the folder count). Data and reward code are checked when the
+``Trainer`` builds its task and rewards, also before any model, and ``check_rewards`` scores a
+few training demonstrations with every reward source.
 ``user_input()`` turns the errors those raise into one-line ``UserError``s: a ValueError or
 OSError *inside* training is a bug and keeps its traceback.
 
@@ -20,12 +21,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from gspo.errors import UserError
 from gspo.models.moe import ROUTER_CLASSES
 from gspo.models.presets import build_char_tokenizer, preset_config
 from gspo.rewards.isolation import IsolatedSource
+from gspo.training.checkpoint import list_checkpoints
 
 MB = 1 << 20
 MIN_FREE_MB = 64  # logs, plots, events: beyond the checkpoints themselves
@@ -61,6 +64,18 @@ def check_checkpoint(key: str, path: str) -> None:
     if not any(p.glob("*.safetensors")):
         raise UserError(f"{key}: {path!r} has no *.safetensors weights (gspo loads weights only "
                         f"from safetensors, never from pickled .bin files)")
+    for weights in sorted(p.glob("*.safetensors")):
+        check_safetensors(key, weights)
+
+
+def check_safetensors(key: str, file: Path) -> None:
+    """The header of a safetensors file parses and its tensors fit in the file (reads no tensor)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"{key}: {str(file)!r} is not a readable safetensors file ({reason})") from None
 
 
 def check_files(cfg) -> None:
@@ -144,13 +159,26 @@ def check_run_dir(cfg, resume: bool) -> None:
     _probe_writable("run.dir", run)
     if cfg.sft.enabled and cfg.sft.steps > 0:
         _probe_writable("sft.cache_dir", Path(cfg.sft.cache_dir))
-    need = checkpoint_bytes(cfg) * (cfg.run.keep_checkpoints + 2) + MIN_FREE_MB * MB
+    check_space(cfg, run, on_disk=len(list_checkpoints(run)) if resume else 0)
+
+
+def checkpoints_to_write(keep: int, on_disk: int) -> int:
+    """How many more checkpoints the folder will hold at its fullest: ``keep`` (or the
+    ``on_disk`` ones, if more) plus the one being written, which is renamed into place before
+    rotation deletes the oldest (gspo.training.checkpoint), less the ``on_disk`` ones already there."""
+    return max(keep, on_disk) + 1 - on_disk
+
+
+def check_space(cfg, run: Path, on_disk: int) -> None:
+    """Room for the checkpoints still to be written (a resumed run's are there already)."""
+    keep = cfg.run.keep_checkpoints
+    need = checkpoint_bytes(cfg) * checkpoints_to_write(keep, on_disk) + MIN_FREE_MB * MB
     free = shutil.disk_usage(_existing_ancestor(run)).free
     if free < need:
+        there = f", {on_disk} of them already on disk" if on_disk else ""
         raise UserError(f"run.dir: only {free / MB:.0f} MB free on the file system of "
                         f"{str(_existing_ancestor(run))!r}; about {need / MB:.0f} MB are needed "
-                        f"({cfg.run.keep_checkpoints} kept + the final + one being written, "
-                        f"see run.keep_checkpoints)")
+                        f"({keep} kept + one being written{there}, see run.keep_checkpoints)")
 
 
 def check_distributed(cfg, world: int) -> None:
@@ -181,6 +209,6 @@ def check_rewards(rewards, examples: list) -> None:
         _, faults = source([ex.answer for ex in probe], probe)
         if faults and (len(faults) == len(probe) or rewards.on_error == "fail"):
             i, reason = next(iter(faults.items()))
-            raise UserError(f"rewards: {source.name!r} fails on the demonstration of training "
+            raise UserError(f"rewards: {source.label} fails on the demonstration of training "
                             f"example {i + 1} (prompt {probe[i].prompt[:60]!r}, answer "
                             f"{probe[i].answer[:60]!r}): {reason}")

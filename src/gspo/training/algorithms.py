@@ -11,6 +11,8 @@ The trainer runs every step the same way (rollouts, rewards, then an update) and
   update M minibatch updates of the critic with the clipped value loss.
 * ``SFTBaseline`` (``sft``): no policy-gradient update; M AdamW steps of ``gspo.training.cold_start.sft_loss`` on
   demonstrations whose tokens match the step's rollout batch (the "no RL" baseline).
+* ``OnlineDPO`` (``dpo``): no policy-gradient update; M AdamW steps of the DPO loss
+  (``gspo.core.objectives.dpo_loss``) on each group's best-vs-worst pair, the cold start as reference.
 
 The interface (``Algorithm``) is what the step calls: ``setup`` once the policy exists (handed
 ``PolicyParts``: the model, its optimizer, data and log-prob passes, never the trainer),
@@ -34,8 +36,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gspo.config import BASELINES, objective_names
-from gspo.core import objectives
-from gspo.core.advantages import gae, group_advantages, whiten
+from gspo.core import advantages, objectives
+from gspo.core.advantages import best_worst_pairs, gae, whiten
+from gspo.core.objectives import dpo_loss, sequence_logprobs
 from gspo.core.value import Critic, explained_variance, value_loss
 from gspo.rollout.collect import DataCursor, loss_mask, minibatch_seed, split_minibatches
 from gspo.rollout.generate import RolloutBatch, demonstration_batch
@@ -43,7 +46,8 @@ from gspo.training.cold_start import sft_loss
 from gspo.training.optim import build_optimizer, build_scheduler, clipped_step
 from gspo.training.passes import LogprobPasses
 
-__all__ = ["Algorithm", "GroupRelative", "PPO", "PolicyParts", "SFTBaseline", "get", "names",
+__all__ = ["Algorithm", "GroupRelative", "OnlineDPO", "PPO", "PolicyParts", "SFTBaseline", "get",
+           "names",
            "terminal_rewards"]
 
 CRITIC_FILES = ("critic.safetensors", "critic_optimizer.pt", "critic_scheduler.pt")
@@ -109,10 +113,12 @@ def single_process(parts: PolicyParts, name: str) -> None:
 # ----------------------------------------------------------------------------- group-relative
 
 class GroupRelative:
-    """Group-relative advantages (GSPO Eq. 6; dropped samples get 0) for a registry objective."""
+    """Group-relative advantages (``advantage.estimator``: group, GSPO Eq. 6 | rloo; dropped
+    samples get 0) for a registry objective."""
 
     def __init__(self, cfg):
         self.cfg, self.objective = cfg, cfg.objective.name
+        self.ranks: AllRewards | None = None      # set up: the other ranks' rewards (scale=batch)
 
     def setup(self, parts: PolicyParts) -> None:
         self.ranks = parts.ranks
@@ -120,10 +126,10 @@ class GroupRelative:
     def advantages(self, batch: RolloutBatch, rewards: Tensor) -> Tensor:
         """Â [N]; advantage.scale=batch: the std spans the rewards of every rank."""
         a = self.cfg.advantage
-        everyone, own = self.ranks.all_rewards(rewards) if a.scale == "batch" \
+        everyone, own = self.ranks.all_rewards(rewards) if a.scale == "batch" and self.ranks \
             else (rewards, slice(None))
-        adv = group_advantages(everyone, self.cfg.rollout.group_size, scale=a.scale, eps=a.eps)
-        return adv[own]                                                               # [N]
+        estimator = advantages.get(a.estimator)
+        return estimator(everyone, self.cfg.rollout.group_size, scale=a.scale, eps=a.eps)[own]  # [N]
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         return {}
@@ -309,9 +315,82 @@ class SFTBaseline:
         self.cursor.load(state["demo_cursor"])
 
 
+# ----------------------------------------------------------------------------- online DPO
+
+class OnlineDPO:
+    """Online DPO (arXiv 2305.18290's loss on on-policy pairs, as arXiv 2402.04792): from each
+    group of G rollouts, the best-rewarded response is preferred to the worst-rewarded one; groups
+    without a reward difference give no pair. Reference: the cold-start policy (the trainer's
+    ``ref_model`` when ``train.beta > 0``, else a frozen copy taken at setup, before a resume
+    restores the weights). Per step, M minibatch AdamW steps over the step's K ≤ P pairs.
+
+    It replaces the policy-gradient update (``objective`` is None): no ratio, no clipping, no row
+    skipping (only pair rows are ever forwarded). A response leaves the pairs when its reward was
+    dropped (rewards.on_error=drop) or its loss mask is empty (train.mask_truncated)."""
+
+    objective = None
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def setup(self, parts: PolicyParts) -> None:
+        single_process(parts, "dpo")
+        self.parts = parts
+        self.ref = parts.ref_model or copy.deepcopy(parts.model).eval().requires_grad_(False)
+
+    def pairs(self, batch: RolloutBatch, rewards: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(winners [K], losers [K]) row indices on the host, and the loss mask [N, T]."""
+        mask = loss_mask(batch, self.cfg.train.mask_truncated)                        # [N, T]
+        usable = (mask > 0).any(-1) & torch.isfinite(rewards)                         # [N]
+        scored = torch.where(usable, rewards.float(), torch.full_like(rewards.float(), float("nan")))
+        win, lose = best_worst_pairs(scored.cpu(), self.cfg.rollout.group_size)
+        return win, lose, mask
+
+    def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
+        t, cfg = self.parts, self.cfg
+        win, lose, mask = self.pairs(batch, rewards)
+        groups = len(rewards) // cfg.rollout.group_size
+        out = {"dpo/pairs": len(win), "dpo/groups_without_pair": groups - len(win)}
+        if not len(win):
+            return {**out, "train/skipped": 1.0}
+        rows = torch.cat([win, lose])                                                 # [2K] host
+        with torch.no_grad():
+            ref = sequence_logprobs(t.passes.logprobs(self.ref, batch.select(rows)).logp,
+                                    mask[rows.to(mask.device)])                       # [2K]
+        ref_w, ref_l = ref.chunk(2)                                                   # [K] each
+        gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
+        order = torch.randperm(len(win), generator=gen)
+        collected: dict[str, list[Tensor]] = {}
+        t.model.train()
+        for part in order.tensor_split(min(cfg.train.minibatches, len(win))):
+            sel = torch.cat([win[part], lose[part]])                                  # [2k] host
+            logp = t.passes.logprobs(t.model, batch.select(sel)).logp                  # [2k, T]
+            seq_w, seq_l = sequence_logprobs(logp, mask[sel.to(mask.device)]).chunk(2)  # [k] each
+            part_d = part.to(ref.device)
+            loss, stats = dpo_loss(seq_w, seq_l, ref_w[part_d], ref_l[part_d], beta=cfg.dpo.beta)
+            norm = clipped_step(loss, t.model.parameters(), t.optimizer, t.scheduler,
+                                cfg.train.grad_clip)
+            logged = {"dpo/loss": loss.detach(), "optim/grad_norm": norm.detach(),
+                      **{f"dpo/{name}": x for name, x in stats.items()}}
+            for key, x in logged.items():
+                collected.setdefault(key, []).append(x.float())
+        keys = list(collected)
+        numbers = torch.stack([torch.stack(collected[k]).mean() for k in keys]).tolist()
+        return {**out, **dict(zip(keys, numbers)), "optim/lr": t.scheduler.get_last_lr()[0]}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def save(self, path: Path) -> None:
+        pass
+
+    def load(self, path: Path, state: dict) -> None:
+        pass
+
+
 # ----------------------------------------------------------------------------- registry
 
-REGISTRY = {"ppo": PPO, "sft": SFTBaseline}
+REGISTRY = {"dpo": OnlineDPO, "ppo": PPO, "sft": SFTBaseline}
 """objective.name -> its algorithm, where it is not plain group-relative advantages."""
 if set(REGISTRY) - set(objectives.available()) != set(BASELINES):
     raise RuntimeError("gspo.config.BASELINES must name the algorithms that are not an objective")

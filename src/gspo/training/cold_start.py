@@ -23,6 +23,7 @@ from gspo.config import SFTConfig, TrainConfig, config_hash
 from gspo.core.logprobs import response_logprobs
 from gspo.models.presets import DTYPES, build_model, load_model, resolve_device, save_model
 from gspo.rollout.generate import demonstration_batch
+from gspo.storage import writing
 from gspo.tasks import Example
 from gspo.training.optim import build_optimizer, build_scheduler
 
@@ -112,7 +113,7 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
     Returns (model on its device, tokenizer, what it is: source, SFT steps and loss, checkpoint)."""
     dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
     if cfg.model.path:
-        model, tokenizer = load_model(cfg.model.path, dtype)
+        model, tokenizer = load_model(cfg.model.path, dtype, key="model.path")
     else:
         model, tokenizer = build_model(cfg.model.preset, cfg.seed, cfg.model.overrides, dtype)
     info: dict = {"source": cfg.model.path or f"preset:{cfg.model.preset}"}
@@ -131,7 +132,8 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
                                 progress=progress)
             info = {**info, "sft_steps": cfg.sft.steps, "sft_final_loss": history[-1]["sft/loss"],
                     "sft_seconds": time.time() - t0, "cache_key": key}
-            hit = save_cold_start(model, tokenizer, cfg.sft.cache_dir, key, info)
+            with writing("the cold-start checkpoint", Path(cfg.sft.cache_dir) / key):  # disk full
+                hit = save_cold_start(model, tokenizer, cfg.sft.cache_dir, key, info)
             log(f"cold start: saved {hit}")
         info["checkpoint"] = str(hit)
     return model.to(device), tokenizer, info

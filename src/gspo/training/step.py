@@ -193,9 +193,9 @@ class RLStep:
         minibatches = self.ranks.minibatch_rows(len(advantages), cfg.train.minibatches, gen)  # this rank's
         if not optimize or self.ranks.policy is not None:  # fsdp: forwards are collectives, none skipped
             return plan_update(minibatches, None, reuse_first=False)
-        skip = (cfg.train.skip_zero_advantage and self.ref_model is None
-                and cfg.train.entropy_coef == 0 and cfg.moe.aux_loss_coef == 0
-                and not self.audit.due(step))
+        skip = (cfg.train.skip_zero_advantage and self.spec.zero_at_zero_advantage  # the loss allows it
+                and self.ref_model is None and cfg.train.entropy_coef == 0
+                and cfg.moe.aux_loss_coef == 0 and not self.audit.due(step))
         mask = loss_mask(batch, cfg.train.mask_truncated)
         live = live_rows(advantages.cpu(), mask.cpu()) if skip else None                  # [N]
         reuse = (cfg.train.old_logprobs == "recompute" and batch.rollout_logp is None

@@ -35,10 +35,12 @@ from gspo.rollout.collect import Collector, DataCursor
 from gspo.rollout.data import build_task, eval_examples
 from gspo.rollout.evaluation import EvalResult, evaluate
 from gspo.training import algorithms, distributed
-from gspo.training.checkpoint import load_latest
+from gspo.storage import write_atomic, writing
+from gspo.training.checkpoint import load_latest, remove_partial
 from gspo.training.cold_start import initial_policy
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
+from gspo.training.rundir import RunLock
 from gspo.training.stability import RunControl, StabilityGuard
 from gspo.training.step import RLStep
 
@@ -72,6 +74,7 @@ class Trainer:
         self.progress = cfg.run.progress and sys.stderr.isatty() and self.dist.is_main
         self.resume = resume
         self.stop = None                          # a gspo.training.signals.GracefulStop (the CLI's)
+        self.run_lock: RunLock | None = None       # rank 0, from set-up to the end of run()
         self.algorithm = algorithms.get(cfg.objective.name)(cfg)  # group-relative | ppo | sft
         self.task = build_task(cfg)
         self.train_set, self.test_set = self.task.split("train"), eval_examples(self.task, cfg)
@@ -81,7 +84,7 @@ class Trainer:
     def setup(self) -> None:
         """The policy and everything that works on it; a resumed run's checkpoint restored."""
         cfg = self.cfg
-        self.dist.on_main(lambda: (self.claim_run_dir(), dump_yaml(cfg, self.run_dir / "config.yaml")))
+        self.dist.on_main(lambda: (self.claim_run_dir(), self.write_config()))
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)  # process-wide, before SFT and RL
         self.logging_s = 0.0                        # writing the last metrics row (time/logging_s)
@@ -119,8 +122,18 @@ class Trainer:
         if self.resume:
             self.restore_latest()
 
+    def write_config(self) -> None:
+        with writing("config.yaml", self.run_dir / "config.yaml"):
+            dump_yaml(self.cfg, self.run_dir / "config.yaml")
+
     def claim_run_dir(self) -> None:
-        """A fresh run never mixes with an old one: refuse, or clear it when run.overwrite is set."""
+        """Lock the folder (one writer at a time, gspo.training.rundir) and remove what a killed
+        writer left half-written; a fresh run never mixes with an old one: refuse, or clear it
+        when run.overwrite is set."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.run_lock is None or not self.run_lock.held:  # (set up twice: still ours)
+            self.run_lock = RunLock.acquire(self.run_dir, log=self.log)
+        remove_partial(self.run_dir)
         previous = [self.run_dir / n for n in ("metrics.jsonl", "checkpoints", "summary.json", "tb",
                                                "events.jsonl", "audit")]
         previous = [p for p in previous if p.exists()]
@@ -132,7 +145,6 @@ class Trainer:
             self.log(f"run.overwrite: replacing the previous run in {self.run_dir}")
             for p in previous:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
 
     # ----------------------------------------------------------------------------- checkpoints
     def restore_latest(self) -> None:
@@ -196,6 +208,14 @@ class Trainer:
         raise Interrupted(signum, done, self.save(done, self.wall()), self.run_dir)
 
     def run(self) -> dict:
+        """Set up, train, save, evaluate; the run folder's lock is released however it ends."""
+        try:
+            return self.train()
+        finally:
+            if self.run_lock is not None:   # another process may write this run now
+                self.run_lock.release()
+
+    def train(self) -> dict:
         self.setup()
         cfg = self.cfg
         self.t_start = time.time()
@@ -273,5 +293,6 @@ class Trainer:
             "data": getattr(self.task, "data_report", None),  # examples skipped (data.on_error)
         }
         if self.dist.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            with writing("summary.json", self.run_dir / "summary.json"):
+                write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
