@@ -100,7 +100,7 @@ def test_rloo_by_hand():
 
 
 def test_rloo_with_dropped_samples():
-    # NaN = a dropped sample (reward.on_error=drop): no part in the baselines, advantage 0
+    # NaN = a dropped sample (rewards.on_error=drop): no part in the baselines, advantage 0
     # group (1, NaN, 0, 0.5): n = 3 → Â = 1 − (0+0.5)/2 = 0.75, 0, 0 − 0.75 = −0.75, 0.5 − 0.5 = 0
     # group (NaN, 1, NaN, NaN): one scored sample, no baseline → 0;  (NaN, 1, NaN, 1): equal → 0
     nan = float("nan")
