@@ -14,12 +14,14 @@ from gspo.cli import main
 @pytest.fixture(autouse=True)
 def _no_model(monkeypatch):
     """Any model built during these tests fails them (logging is restored by conftest)."""
-    from gspo.training import trainer
+    from gspo.training import cold_start, trainer
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the input was checked")
-    for name in ("build_model", "load_model", "initial_policy"):
-        monkeypatch.setattr(trainer, name, refuse)
+    for module, names in ((cold_start, ("build_model", "load_model")),
+                          (trainer, ("load_model", "initial_policy"))):
+        for name in names:
+            monkeypatch.setattr(module, name, refuse)
     yield
 
 
