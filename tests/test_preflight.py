@@ -111,7 +111,7 @@ def corrupt(saved_tiny, tmp_path):
 
 @pytest.mark.parametrize("argv, command, key", [
     (["model.path={ckpt}"], "train", "model.path"),
-    (["rewards=[{{type: model, path: '{ckpt}'}}]"], "train", "rewards[0].path"),
+    (["rewards.sources=[{{type: model, path: '{ckpt}'}}]"], "train", "rewards.sources[0].path"),
     (["--checkpoint", "{ckpt}"], "eval", "--checkpoint"),
 ])
 def test_corrupt_safetensors_is_one_line_naming_the_file(capsys, tmp_path, corrupt, argv, command, key):
