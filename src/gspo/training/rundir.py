@@ -17,15 +17,16 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
-from gspo.training.checkpoint import PREFIX, list_checkpoints
 from gspo.errors import UserError, WriteFailed
 from gspo.storage import STORAGE_ERRNOS, reason
+from gspo.training.checkpoint import PREFIX, list_checkpoints, remove_partial
 
 LOCK_FILE = ".gspo.lock"
 
@@ -72,6 +73,32 @@ class RunLock:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def claim(run_dir: Path, *, resume: bool, overwrite: bool, log, lock: RunLock | None = None
+          ) -> RunLock:
+    """Lock ``run_dir`` for this process (``lock``: already ours) and remove what a killed writer
+    left half-written; a fresh run never mixes with an old one: refuse, or clear it when
+    ``overwrite``. Returns the lock (released again when refusing one it took)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    taken = lock is None or not lock.held
+    if taken:
+        lock = RunLock.acquire(run_dir, log=log)
+    remove_partial(run_dir)
+    previous = [run_dir / n for n in ("metrics.jsonl", "checkpoints", "summary.json", "tb",
+                                      "events.jsonl", "audit")]
+    previous = [p for p in previous if p.exists()]
+    if previous and not resume:
+        if not overwrite:
+            if taken:
+                lock.release()
+            raise FileExistsError(
+                f"run.dir {run_dir} already holds a run: use --resume {run_dir} to "
+                f"continue it, run.overwrite=true to replace it, or another run.dir")
+        log(f"run.overwrite: replacing the previous run in {run_dir}")
+        for p in previous:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return lock
 
 
 def holder_info() -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import signal
 import sys
 import time
@@ -36,11 +35,11 @@ from gspo.rollout.data import build_task, eval_examples
 from gspo.rollout.evaluation import EvalResult, evaluate
 from gspo.training import algorithms, distributed
 from gspo.storage import write_atomic, writing
-from gspo.training.checkpoint import load_latest, remove_partial
+from gspo.training.checkpoint import load_latest
 from gspo.training.cold_start import initial_policy
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
-from gspo.training.rundir import RunLock
+from gspo.training.rundir import RunLock, claim
 from gspo.training.stability import RunControl, StabilityGuard
 from gspo.training.step import RLStep
 
@@ -84,7 +83,7 @@ class Trainer:
     def setup(self) -> None:
         """The policy and everything that works on it; a resumed run's checkpoint restored."""
         cfg = self.cfg
-        self.dist.on_main(lambda: (self.claim_run_dir(), self.write_config()))
+        self.dist.on_main(self.claim_run_dir)     # rank 0 writes the run folder
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)  # process-wide, before SFT and RL
         self.logging_s = 0.0                        # writing the last metrics row (time/logging_s)
@@ -122,29 +121,12 @@ class Trainer:
         if self.resume:
             self.restore_latest()
 
-    def write_config(self) -> None:
+    def claim_run_dir(self) -> None:
+        """Lock the folder (one writer at a time), then start it afresh (gspo.training.rundir)."""
+        self.run_lock = claim(self.run_dir, resume=self.resume, overwrite=self.cfg.run.overwrite,
+                              log=self.log, lock=self.run_lock)   # (set up twice: still ours)
         with writing("config.yaml", self.run_dir / "config.yaml"):
             dump_yaml(self.cfg, self.run_dir / "config.yaml")
-
-    def claim_run_dir(self) -> None:
-        """Lock the folder (one writer at a time, gspo.training.rundir) and remove what a killed
-        writer left half-written; a fresh run never mixes with an old one: refuse, or clear it
-        when run.overwrite is set."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.run_lock is None or not self.run_lock.held:  # (set up twice: still ours)
-            self.run_lock = RunLock.acquire(self.run_dir, log=self.log)
-        remove_partial(self.run_dir)
-        previous = [self.run_dir / n for n in ("metrics.jsonl", "checkpoints", "summary.json", "tb",
-                                               "events.jsonl", "audit")]
-        previous = [p for p in previous if p.exists()]
-        if previous and not self.resume:
-            if not self.cfg.run.overwrite:
-                raise FileExistsError(
-                    f"run.dir {self.run_dir} already holds a run: use --resume {self.run_dir} to "
-                    f"continue it, run.overwrite=true to replace it, or another run.dir")
-            self.log(f"run.overwrite: replacing the previous run in {self.run_dir}")
-            for p in previous:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
 
     # ----------------------------------------------------------------------------- checkpoints
     def restore_latest(self) -> None:
