@@ -107,7 +107,7 @@ class RLStep:
         metrics = self.ranks.reduce_metrics(metrics, len(rewards))      # ranks: one set of numbers
         if self.ranks.any(batch is None):
             return {**metrics, "step": step + 1, "train/skipped": 1.0}
-        if self.objective is None:   # sft: demonstrations instead of a policy-gradient update
+        if self.objective is None:   # sft, dpo: their own update instead of a policy gradient
             return {"step": step + 1, **metrics, **self.algorithm.update(batch, rewards, step)}
         # 2. advantages: group-relative [N] (ppo: GAE [N, T]); dropped samples leave the loss
         mark_dropped(batch, rewards)
