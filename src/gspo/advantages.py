@@ -19,10 +19,20 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["SCALES", "available", "gae", "get", "group_advantages", "register", "whiten"]
+__all__ = ["GAE_FORMULA", "SCALES", "SCALE_FORMULAS", "available", "gae", "get",
+           "group_advantages", "register", "whiten"]
 
 SCALES = ("group", "batch", "none")
 """What centred rewards are divided by: the group's std (Eq. 6), the batch's std, nothing."""
+SCALE_FORMULAS = {
+    "group": "Â_i = (r_i − mean_group(r)) / (std_group(r) + eps)   (GSPO Eq. 6, arXiv 2507.18071)",
+    "batch": "Â_i = (r_i − mean_group(r)) / (std_batch(r) + eps)",
+    "none": "Â_i = r_i − mean_group(r)   (Dr. GRPO, arXiv 2503.20783)",
+}
+"""`group_advantages` per scale, in one line (what a run's provenance.json records)."""
+GAE_FORMULA = ("δ_t = r_t + γ V_t' − V_t; Â_t = δ_t + γλ Â_t'   (GAE, arXiv 1506.02438 Eq. 16; "
+               "t' the next response token)")
+"""`gae` in one line."""
 
 Estimator = Callable[..., Tensor]
 _REGISTRY: dict[str, Estimator] = {}

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gspo import objectives
-from gspo.advantages import gae, whiten
+from gspo.advantages import GAE_FORMULA, SCALE_FORMULAS, gae, whiten
 from gspo.isolation import advantages_with_drops
 from gspo.optim import build_optimizer, build_scheduler, clipped_step
 from gspo.rollout import RolloutBatch, demonstration_batch
@@ -58,6 +58,9 @@ class Algorithm(Protocol):
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         """After the policy's update (instead of it when ``objective`` is None): metrics."""
+
+    def advantage_estimator(self) -> dict:
+        """JSON-able: which advantages this algorithm computes and with what (provenance.json)."""
 
     def state_dict(self) -> dict:
         """JSON-able state for trainer_state.json."""
@@ -91,6 +94,12 @@ class GroupRelative:
         return advantages_with_drops(batch, rewards, self.cfg.rollout.group_size, scale=a.scale,
                                      eps=a.eps)                                       # [N]
 
+    def advantage_estimator(self) -> dict:
+        a = self.cfg.advantage
+        return {"name": "group-relative", "formula": SCALE_FORMULAS[a.scale], "scale": a.scale,
+                "eps": a.eps, "group_size": self.cfg.rollout.group_size,
+                "reward_on_error": self.cfg.reward.on_error}
+
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         return {}
 
@@ -123,6 +132,12 @@ class PPO:
     def __init__(self, cfg):
         self.cfg, self.p = cfg, cfg.ppo
         self._pending: dict = {}
+
+    def advantage_estimator(self) -> dict:
+        p = self.p
+        return {"name": "gae", "formula": GAE_FORMULA, "gamma": p.gamma, "lam": p.lam,
+                "whiten": p.whiten_advantages, "kl_in_reward": p.kl_in_reward,
+                "kl_coef": p.kl_coef, "value_clip": p.value_clip, "critic_lr": p.critic_lr}
 
     def setup(self, trainer) -> None:
         _single_process(trainer, "ppo")
@@ -221,6 +236,9 @@ class SFTBaseline:
     def __init__(self, cfg):
         self.cfg = cfg
         self._lengths: dict[int, int] = {}
+
+    def advantage_estimator(self) -> dict:
+        return {"name": "none", "formula": "no advantages: supervised steps on demonstrations"}
 
     def setup(self, trainer) -> None:
         from gspo.trainer import DataCursor

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gspo import algorithms, data, diagnostics, distributed, moe, objectives, tasks
+from gspo import algorithms, data, diagnostics, distributed, moe, objectives, provenance, tasks
 from gspo.audit import Recorder
 from gspo.guard import Guard
 from gspo.isolation import correct_all
@@ -150,7 +150,9 @@ class Trainer:
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
         cfg = self.cfg
-        self.dist.on_main(lambda: (self._claim_run_dir(), dump_yaml(cfg, self.run_dir / "config.yaml")))
+        self.dist.on_main(lambda: (self._claim_run_dir(), dump_yaml(cfg, self.run_dir / "config.yaml"),
+                                   provenance.write(self.run_dir, self.current_provenance(),
+                                                    resume=self.resume)))
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)  # process-wide, before SFT and RL
         self._logging_s = 0.0                       # writing the last metrics row (time/logging_s)
@@ -178,6 +180,11 @@ class Trainer:
         self.algorithm.setup(self)                  # ppo: the critic, from the policy
         if self.resume:
             self._restore()
+
+    def current_provenance(self) -> dict:
+        """What produces this run (RUN/provenance.json, gspo.provenance)."""
+        return provenance.collect(self.cfg, command="train", world_size=self.dist.world,
+                                  device=str(resolve_device(self.cfg.model.device)))
 
     def _claim_run_dir(self) -> None:
         """A fresh run never mixes with an old one: refuse, or clear it when run.overwrite is set."""
