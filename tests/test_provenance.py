@@ -189,7 +189,8 @@ def test_audit_of_a_run_without_provenance_warns(run, tmp_path, capsys):
 
 def test_eval_and_sft_write_provenance_to_out(saved_tiny, tmp_path, capsys):
     small = ["task.n_train=20", "task.n_test=4", "eval.k=1", "rollout.max_new_tokens=2"]
-    assert main(["eval", *small, "--checkpoint", str(saved_tiny), "--out", str(tmp_path / "e")]) == 0
+    out = ["--out", str(tmp_path / "e")]
+    assert main(["eval", *small, "--checkpoint", str(saved_tiny), *out]) == 0
     printed = json.loads(capsys.readouterr().out)
     prov = json.loads((tmp_path / "e" / provenance.FILE).read_text())
     assert prov["command"] == "eval" and prov["objective"]["name"] == "gspo"

@@ -153,7 +153,8 @@ def code_line(results: dict) -> str:
     """Which code made the runs: one commit, or (--allow-mixed-commits) each code and its runs."""
     by_code = results.get("code") or {}
     if len(by_code) == 1:
-        return f"Code: every run made at commit `{next(iter(by_code))}` (provenance.json of each run)."
+        return (f"Code: every run made at commit `{next(iter(by_code))}` "
+                "(each run's provenance.json).")
     return ("**Mixed code** (--allow-mixed-commits): "
             + "; ".join(f"`{code}`: {', '.join(labels)}" for code, labels in by_code.items()) + ".")
 

@@ -76,7 +76,7 @@ def _source_diff_sha256(top: Path, package: str) -> str | None:
     diff = _git(["diff", "HEAD", "--binary", "--", package], top).stdout
     untracked = _git(["ls-files", "--others", "--exclude-standard", "-z", "--", package],
                      top).stdout.split(b"\0")
-    untracked = sorted(p for p in untracked if p)
+    untracked = sorted(p for p in untracked if p and not p.endswith(b".pyc"))  # no bytecode
     if not diff and not untracked:
         return None
     h = hashlib.sha256(diff)
@@ -85,29 +85,40 @@ def _source_diff_sha256(top: Path, package: str) -> str | None:
     return h.hexdigest()
 
 
+NOT_A_CHECKOUT = "not run from a git checkout (an installed package?)"
+
+
+def _checkout(package_dir: Path) -> tuple[dict | None, str]:
+    """(commit, dirty, diff_sha256, source) of the git checkout that tracks ``package_dir``, or
+    (None, why not)."""
+    if not shutil.which("git"):
+        return None, "git is not installed"
+    top = _git(["rev-parse", "--show-toplevel"], package_dir)
+    if top.returncode:
+        problem = (top.stderr.decode(errors="replace").strip().splitlines() or ["?"])[0]
+        return None, (NOT_A_CHECKOUT if "not a git repository" in problem
+                      else f"git failed: {problem}")
+    if _git(["ls-files", "--error-unmatch", "__init__.py"], package_dir).returncode:
+        return None, NOT_A_CHECKOUT      # e.g. installed into an ignored folder of some repository
+    root = Path(os.fsdecode(top.stdout.strip()))
+    head = _git(["rev-parse", "HEAD"], root)
+    if head.returncode:
+        return None, f"git checkout {root} has no commit yet"
+    diff = _source_diff_sha256(root, os.path.relpath(package_dir, root))
+    return {"commit": head.stdout.decode().strip(), "dirty": diff is not None,
+            "diff_sha256": diff, "source": f"git checkout {root}"}, ""
+
+
 def code(package_dir: Path = PACKAGE_DIR) -> dict:
     """gspo's version and the git commit of the checkout it runs from (see the module doc)."""
     out = {"gspo": gspo.__version__, "commit": "unknown", "dirty": None, "diff_sha256": None,
            "source": None, "package": str(package_dir)}
-    reason = "git is not installed"
     try:
-        if shutil.which("git"):
-            top = _git(["rev-parse", "--show-toplevel"], package_dir)
-            tracked = top.returncode == 0 and _git(
-                ["ls-files", "--error-unmatch", "__init__.py"], package_dir).returncode == 0
-            if tracked:
-                root = Path(os.fsdecode(top.stdout.strip()))
-                package = os.path.relpath(package_dir, root)
-                head = _git(["rev-parse", "HEAD"], root)
-                if head.returncode == 0:
-                    diff = _source_diff_sha256(root, package)
-                    return {**out, "commit": head.stdout.decode().strip(), "dirty": diff is not None,
-                            "diff_sha256": diff, "source": f"git checkout {root}"}
-                reason = f"git checkout {root} has no commit yet"
-            else:
-                reason = "not run from a git checkout (an installed package?)"
+        found, reason = _checkout(package_dir)
     except (OSError, subprocess.SubprocessError) as err:
-        reason = f"git failed ({type(err).__name__})"
+        found, reason = None, f"git failed ({type(err).__name__}: {err})"
+    if found is not None:
+        return {**out, **found}
     pip = _pip_commit()
     if pip:
         return {**out, "commit": pip, "source": "pip install from git (direct_url.json)"}
@@ -286,7 +297,8 @@ def warnings_between(run: dict, now: dict) -> list[str]:
     if libs:
         out.append("libraries: " + ", ".join(libs))
     if run.get("hardware") and now.get("hardware"):
-        hw = _changed("", run["hardware"], now["hardware"], ("device", "dtype", "gpu", "world_size"))
+        hw = _changed("", run["hardware"], now["hardware"],
+                      ("device", "dtype", "gpu", "world_size"))
         if hw:
             out.append("hardware: " + ", ".join(hw))
     ro, no = run.get("objective") or {}, now.get("objective") or {}
@@ -329,8 +341,9 @@ def check(folder: str | Path, now: dict, *, action: str, warn: Callable[[str], N
     for session in sessions(run):
         differ = objective_differences(session.get("objective"), now.get("objective"))
         if differ:
-            raise ProvenanceError(f"{action}: the objective differs from the run's ({where}): "
-                                  + "; ".join(differ))
+            raise ProvenanceError(
+                f"{action}: the objective differs from the run's ({where}): {'; '.join(differ)} "
+                f"(the run was made by {summary(session)}: use that code, or start a new run)")
     seen = []
     for session in sessions(run):
         for line in warnings_between(session, now):
@@ -374,7 +387,8 @@ def table(prov: dict | None) -> list[str]:
                                  f"CPU {hw['cpu']}" + (f"; GPU {hw['gpu']}" if hw["gpu"] else "")))
     if o := prov.get("objective"):
         if o.get("registry"):
-            hp = ", ".join(f"{k}={v}" for k, v in o["hyperparameters"].items() if k != "aggregation")
+            hp = ", ".join(f"{k}={v}" for k, v in o["hyperparameters"].items()
+                           if k != "aggregation")
             rows += [("objective", f"{o['name']}: {o['equations']}"),
                      ("in force", f"{o['aggregation']}, {hp}"), ("paper", o["paper"])]
         else:

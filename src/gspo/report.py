@@ -96,7 +96,8 @@ def build_report(run_dir: str | Path) -> Path:
     else:
         lines += ["Run in progress (no summary.json yet).", ""]
     lines += ["## Provenance", "", *provenance_table(read_provenance(run_dir)), "",
-              "All of it in `provenance.json`; `gspo train --resume` and `gspo audit` check it.", ""]
+              "All of it in `provenance.json`; `gspo train --resume` and `gspo audit` check it.",
+              ""]
     for key, title in PANELS:
         name = key.replace("/", "_") + ".png"
         if plot_panel(rows, key, title, plots / name):
