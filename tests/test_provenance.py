@@ -35,7 +35,8 @@ def _parity(reward_module: str) -> str:
 def run(tmp_path_factory, small_config, reward_module):
     """A finished tiny GSPO run (2 steps, clip range overridden, every step recorded for audit)."""
     root = tmp_path_factory.mktemp("prov")
-    cfg = small_config(root, _parity(reward_module), "audit.every=1", "objective.eps_low=0.05")
+    cfg = small_config(root, _parity(reward_module), "audit.every=1", "objective.eps_low=0.05",
+                       "model.device=cpu")
     Trainer(cfg, log=lambda m: None).run()
     return Path(cfg.run.dir)
 
@@ -132,7 +133,7 @@ def test_resume_with_a_changed_objective_default_is_refused(run, tmp_path, monke
     assert main(["train", "--resume", str(copy)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gspo: error: resume: the objective differs")
-    assert "defaults.eps_high 0.0004 -> 0.5" in err[0] and "eps_high 0.0004 -> 0.5" in err[0]
+    assert "defaults.eps_high 0.0004 -> 0.5; hyperparameters.eps_high 0.0004 -> 0.5" in err[0]
     assert "eps_low" not in err[0]                   # overridden in the run: in force unchanged
     assert before == {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
 
@@ -306,7 +307,7 @@ def test_objective_differences_by_hand():
     assert provenance.objective_differences(run, now) == ["aggregation 'seq-mean' -> 'token-mean'"]
     now = {**run, "defaults": {"eps_low": 1e-3}, "hyperparameters": {"eps_low": 1e-3}}
     assert provenance.objective_differences(run, now) == [
-        "defaults.eps_low 0.0003 -> 0.001", "eps_low 0.0003 -> 0.001"]
+        "defaults.eps_low 0.0003 -> 0.001", "hyperparameters.eps_low 0.0003 -> 0.001"]
     assert provenance.warnings_between({"code": {"gspo": "1"}, "objective": run},
                                        {"code": {"gspo": "1"}, "objective": {**run, "paper": "B"}}
                                        ) == ["objective citation: 'A' -> 'B'"]

@@ -165,9 +165,9 @@ def hardware(device: str, dtype: str, world_size: int) -> dict:
             "platform": platform.platform()}
 
 
-def objective_entry(cfg) -> dict:
-    """The objective of ``cfg`` as the registry defines it, with the hyper-parameters in force."""
-    algorithm = algorithms.get(cfg.objective.name)(cfg)
+def objective_entry(cfg, algorithm) -> dict:
+    """The objective of ``cfg`` (run by ``algorithm``, a ``gspo.algorithms`` instance) as the
+    registry defines it, with the hyper-parameters in force."""
     entry = {"name": cfg.objective.name, "algorithm": type(algorithm).__name__}
     if algorithm.objective is None:   # sft: no policy-gradient loss
         return {**entry, "registry": None}
@@ -195,10 +195,11 @@ def collect(cfg=None, *, command: str, device: str | None = None, world_size: in
     if cfg is not None:
         config = cfg.model_dump(mode="json")
         r, e = cfg.rollout, cfg.eval
+        algorithm = algorithms.get(cfg.objective.name)(cfg)   # group-relative | ppo | sft
         prov.update({
             "hardware": hardware(device or cfg.model.device, cfg.model.dtype, world_size),
-            "objective": objective_entry(cfg),
-            "advantage": algorithms.get(cfg.objective.name)(cfg).advantage_estimator(),
+            "objective": objective_entry(cfg, algorithm),
+            "advantage": algorithm.advantage_estimator(),
             "sampling": {"rollout": {"temperature": r.temperature, "top_p": r.top_p,
                                      "top_k": r.top_k, "max_new_tokens": r.max_new_tokens,
                                      "group_size": r.group_size,
@@ -255,7 +256,8 @@ def code_id(prov: dict | None) -> str:
     c = prov.get("code", {})
     if c.get("commit", "unknown") == "unknown":
         return f"unknown (gspo {c.get('gspo')})"
-    return c["commit"][:12] + (f"+dirty:{c['diff_sha256'][:12]}" if c.get("dirty") else "")
+    dirty = f"+dirty:{(c.get('diff_sha256') or '?')[:12]}" if c.get("dirty") else ""
+    return c["commit"][:12] + dirty
 
 
 def _fmt(value) -> str:
@@ -281,7 +283,8 @@ def objective_differences(run: dict, now: dict) -> list[str]:
         return []
     out = _changed("", run, now, OBJECTIVE_KEYS)
     out += _changed("defaults.", run.get("defaults") or {}, now.get("defaults") or {})
-    out += _changed("", run.get("hyperparameters") or {}, now.get("hyperparameters") or {},
+    out += _changed("hyperparameters.", run.get("hyperparameters") or {},
+                    now.get("hyperparameters") or {},
                     sorted((set(run.get("hyperparameters") or {})
                             | set(now.get("hyperparameters") or {})) - {"aggregation"}))
     return out
@@ -290,9 +293,8 @@ def objective_differences(run: dict, now: dict) -> list[str]:
 def warnings_between(run: dict, now: dict) -> list[str]:
     """One line per kind of difference that does not change the objective."""
     out = []
-    if code_id(run) != code_id(now) or run["code"].get("gspo") != now["code"].get("gspo"):
-        out.append(f"code: gspo {run['code'].get('gspo')} at {code_id(run)} -> "
-                   f"gspo {now['code'].get('gspo')} at {code_id(now)}")
+    if summary(run) != summary(now):
+        out.append(f"code: {summary(run)} -> {summary(now)}")
     libs = _changed("", run.get("libraries", {}), now.get("libraries", {}))
     if libs:
         out.append("libraries: " + ", ".join(libs))
@@ -368,7 +370,7 @@ def mixed_code(runs: dict[str, Path]) -> dict[str, list[str]]:
 
 def summary(prov: dict) -> str:
     """'gspo 0.1.0 at <commit>[+dirty:<diff>]' in one line."""
-    return f"gspo {prov['code'].get('gspo')} at {code_id(prov)}"
+    return f"gspo {(prov.get('code') or {}).get('gspo')} at {code_id(prov)}"
 
 
 def table(prov: dict | None) -> list[str]:
