@@ -268,10 +268,6 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
             raise ConfigError(f"--variants: unknown {unknown}; valid: {[v.name for v in variants]}")
         variants = [v for v in variants if v.name in only]
     out = Path(out or Path("runs/compare") / (suite_file.stem + ("-quick" if quick else "")))
-    provenance.write(out, provenance.collect(command="compare", extra={"suite": {
-        "file": str(suite_file), "sha256": hashlib.sha256(suite_file.read_bytes()).hexdigest(),
-        "seeds": seeds, "quick": quick, "extra": list(extra), "tune": tune,
-        "variants": [v.name for v in variants]}}))
 
     def config(v: Variant, k: int, **kw) -> TrainConfig:
         return resolve(suite, suite_file, v, k, out, quick=quick, extra=extra, **kw)
@@ -282,6 +278,10 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
     for v in variants:  # every test config validates before the first run (with any candidate)
         for cand in (suite.tune.grid[v.name] if v in tuned else [[]]):
             config(v, 0, chosen=cand)
+    provenance.write(out, provenance.collect(command="compare", extra={"suite": {
+        "file": str(suite_file), "sha256": hashlib.sha256(suite_file.read_bytes()).hexdigest(),
+        "seeds": seeds, "quick": quick, "extra": list(extra), "tune": tune,
+        "variants": [v.name for v in variants]}}))
     train_all({f"tune {n} candidate {i} seed {k}": c for (n, i, k), c in grid.items()}, jobs, log,
               out / "logs")
     tuning, chosen = {}, {}

@@ -152,6 +152,8 @@ def resolution(tuning: dict) -> list[str]:
 def code_line(results: dict) -> str:
     """Which code made the runs: one commit, or (--allow-mixed-commits) each code and its runs."""
     by_code = results.get("code") or {}
+    if not by_code:
+        return "Code: not recorded."
     if len(by_code) == 1:
         return (f"Code: every run made at commit `{next(iter(by_code))}` "
                 "(each run's provenance.json).")
