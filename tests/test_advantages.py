@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gspo import advantages
-from gspo.advantages import group_advantages
+from gspo.advantages import best_worst_pairs, group_advantages, rloo_advantages
 
 
 def test_hand_example_group_scale():
@@ -71,10 +71,56 @@ def test_bad_shapes(rewards, group_size, match):
 def test_bad_scale_and_registry():
     with pytest.raises(ValueError, match="group, batch, none"):
         group_advantages(torch.zeros(4), 2, scale="global")
-    assert advantages.available() == ["group"]
+    assert advantages.available() == ["group", "rloo"]
     assert advantages.get("group") is group_advantages
+    assert advantages.get("rloo") is rloo_advantages
+    assert (advantages.default_scale("group"), advantages.default_scale("rloo")) == ("group", "none")
     with pytest.raises(ValueError, match="group"):
         advantages.get("gae")
+
+
+# ----------------------------------------------------------------------------- RLOO
+
+def test_rloo_by_hand():
+    # group (1, 0, 0, 0): Â_0 = 1 − (0+0+0)/3 = 1;  Â_j = 0 − (1+0+0)/3 = −1/3
+    #   (= G/(G−1)·(r − mean) = 4/3·(0.75, −0.25));  group (2, 2, 2, 2): exactly 0
+    # group (3, 1, 2, 6): Â = 3 − 9/3 = 0, 1 − 11/3 = −8/3, 2 − 10/3 = −4/3, 6 − 6/3 = 4
+    r = torch.tensor([1.0, 0, 0, 0, 2, 2, 2, 2, 3, 1, 2, 6], dtype=torch.float64)
+    adv = rloo_advantages(r, 4)
+    assert adv.tolist() == pytest.approx([1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, 0, -8 / 3, -4 / 3, 4])
+    assert torch.equal(adv[4:8], torch.zeros(4, dtype=torch.float64))
+    centred = group_advantages(r, 4, scale="none")
+    torch.testing.assert_close(adv, centred * 4 / 3)                  # n/(n−1)·(r − mean)
+    # scale=group divides by the group's Bessel std: group 0 std 0.5 → (2, −2/3, −2/3, −2/3)
+    assert rloo_advantages(r, 4, scale="group", eps=0.0)[:4].tolist() == pytest.approx(
+        [2, -2 / 3, -2 / 3, -2 / 3])
+    assert adv.sum().item() == pytest.approx(0.0)                     # zero-sum per group
+    with pytest.raises(ValueError, match="none or group"):
+        rloo_advantages(r, 4, scale="batch")
+
+
+def test_rloo_with_dropped_samples():
+    # NaN = a dropped sample (reward.on_error=drop): no part in the baselines, advantage 0
+    # group (1, NaN, 0, 0.5): n = 3 → Â = 1 − (0+0.5)/2 = 0.75, 0, 0 − 0.75 = −0.75, 0.5 − 0.5 = 0
+    # group (NaN, 1, NaN, NaN): one scored sample, no baseline → 0;  (NaN, 1, NaN, 1): equal → 0
+    nan = float("nan")
+    r = torch.tensor([1.0, nan, 0, 0.5, nan, 1, nan, nan, nan, 1, nan, 1])
+    adv = rloo_advantages(r, 4)
+    assert adv.tolist() == pytest.approx([0.75, 0, -0.75, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+    assert torch.isfinite(adv).all()
+    # without the dropped sample the group is a group of 3 with the same advantages
+    assert rloo_advantages(torch.tensor([1.0, 0, 0.5]), 3).tolist() == pytest.approx([0.75, -0.75, 0])
+
+
+def test_best_worst_pairs():
+    # group 0 (1, 0, 1, 0.5): best row 0 (first of the ties), worst row 1; group 1 all equal: none;
+    # group 2 (NaN, 1, 0, NaN): rows 9 / 10; group 3 one scored sample: none
+    nan = float("nan")
+    r = torch.tensor([1.0, 0, 1, 0.5, 2, 2, 2, 2, nan, 1, 0, nan, nan, 1, nan, nan])
+    win, lose = best_worst_pairs(r, 4)
+    assert win.tolist() == [0, 9] and lose.tolist() == [1, 10]
+    none = best_worst_pairs(torch.ones(8), 4)
+    assert none[0].numel() == 0 and none[1].numel() == 0
 
 
 # ----------------------------------------------------------------------------- GAE (PPO)

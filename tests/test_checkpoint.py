@@ -1,9 +1,19 @@
-"""Checkpoints: round trip, checksum fallback, half-written folders, pruning."""
+"""Checkpoints: round trip, checksum fallback, half-written folders, pruning; writes that fail
+(a full disk: ENOSPC from a file that fills, or the error safetensors reports for it)."""
 
+import builtins
+import errno
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
+
+from gspo import checkpoint, storage
+from gspo.errors import WriteFailed
+from gspo.metrics import MetricsWriter, read_metrics
 
 from gspo.checkpoint import (
     CHECKSUM_FILE,
@@ -12,6 +22,7 @@ from gspo.checkpoint import (
     checkpoint_dir,
     list_checkpoints,
     load_latest,
+    remove_partial,
     save_checkpoint,
     verify,
 )
@@ -133,3 +144,143 @@ def test_resave_same_step_overwrites(tmp_path, parts):
     _save(tmp_path, 5, parts, wall_s=2.0)
     assert load_latest(tmp_path, warn=pytest.fail).state["wall_s"] == 2.0
     assert len(list_checkpoints(tmp_path)) == 1
+
+
+# ------------------------------------------------------------------------------- full disk
+
+class _FullFile:
+    """A file on a disk that fills after ``room`` bytes: the write that crosses it stores what fits
+    and raises ENOSPC, as the kernel does."""
+
+    def __init__(self, path, mode, room: int = 100):
+        self.fh, self.room = builtins.open(path, mode), room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            self.fh.write(bytes(data[:self.room]))
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fh.close()
+
+
+@pytest.mark.parametrize("n", [10, 100_000])
+def test_save_torch_reports_the_file_systems_error(tmp_path, monkeypatch, n):
+    """torch's zip writer turns a full disk into a RuntimeError ('unexpected pos', 'iostream
+    error'); save_torch raises the file system's ENOSPC instead, for a small file and a big one."""
+    monkeypatch.setattr(storage, "open", _FullFile, raising=False)
+    with pytest.raises(OSError) as caught:
+        storage.save_torch({"x": torch.zeros(n)}, tmp_path / "x.pt")
+    assert caught.value.errno == errno.ENOSPC
+
+
+def _full_disk_at(monkeypatch, where: str) -> None:
+    """The disk fills while the checkpoint writes ``where``: the weights (safetensors' error, as
+    it reports ENOSPC) or the optimizer state (through torch's zip writer)."""
+    if where == "weights":
+        save_model = checkpoint.save_model
+
+        def failing(model, tokenizer, path, **kwargs):
+            save_model(model, tokenizer, path, **kwargs)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                                  "(os error 28)")
+        monkeypatch.setattr(checkpoint, "save_model", failing)
+    else:
+        def full_open(path, mode="r", *args, **kwargs):
+            if Path(path).name == "optimizer.pt":
+                return _FullFile(path, mode)
+            return builtins.open(path, mode, *args, **kwargs)
+        monkeypatch.setattr(storage, "open", full_open, raising=False)
+
+
+@pytest.mark.parametrize("where", ["weights", "optimizer"])
+def test_full_disk_during_a_checkpoint_write(tmp_path, parts, monkeypatch, where):
+    """WriteFailed names the checkpoint, its folder and ENOSPC; nothing of it is left, the
+    previous checkpoint is the newest and loads."""
+    _save(tmp_path, 1, parts)
+    _full_disk_at(monkeypatch, where)
+    with pytest.raises(WriteFailed) as caught:
+        _save(tmp_path, 2, parts)
+    fault = caught.value
+    assert fault.what == "the checkpoint of step 2" and fault.exit_code == 4
+    assert fault.path == tmp_path / "checkpoints" / ".step_000002.tmp"
+    assert fault.reason == "No space left on device (errno 28)"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+    assert load_latest(tmp_path, warn=pytest.fail).state["step"] == 1
+
+
+def test_an_error_that_is_not_the_disks_stays_a_bug(tmp_path, parts, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("a bug")
+    monkeypatch.setattr(checkpoint, "save_model", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        _save(tmp_path, 1, parts)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_remove_partial_clears_only_temporary_folders(tmp_path, parts):
+    _save(tmp_path, 1, parts)
+    for step in (2, 7):
+        checkpoint_dir(tmp_path, step).with_name(f".step_{step:06d}.tmp").mkdir()
+    removed = remove_partial(tmp_path)
+    assert [p.name for p in removed] == [".step_000002.tmp", ".step_000007.tmp"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def _short_writes(monkeypatch, after: int) -> None:
+    """os.write as on a disk that fills: the first call takes ``after`` bytes, the next raises."""
+    real = os.write
+    calls = []
+
+    def write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real(fd, data[:after])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(storage.os, "write", write)
+
+
+def test_a_metrics_row_is_never_left_half_written(tmp_path, monkeypatch):
+    """The disk takes 20 bytes of the row of step 2, then refuses: the file is cut back to the
+    row of step 1, WriteFailed names the row and the file, and the next row appends whole."""
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer.write({"step": 1, "reward/mean": 0.5})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    with monkeypatch.context() as patch:
+        _short_writes(patch, after=20)
+        with pytest.raises(WriteFailed) as caught:
+            writer.write({"step": 2, "reward/mean": 0.25})
+    assert caught.value.what == "the metrics row of step 2"
+    assert caught.value.path == tmp_path / "metrics.jsonl"
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    writer.write({"step": 2, "reward/mean": 0.25})
+    assert read_metrics(tmp_path) == [{"step": 1, "reward/mean": 0.5},
+                                      {"step": 2, "reward/mean": 0.25}]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_full_disk_under_tensorboard_is_one_named_error(tmp_path, monkeypatch, capsys):
+    """TensorBoard writes in its own thread: the failure is raised on the writer's next call as
+    WriteFailed naming the events folder, and the thread prints no traceback of its own."""
+    from tensorboard.summary.writer import record_writer
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    writer = MetricsWriter(tmp_path, tensorboard=True)
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    with pytest.raises(WriteFailed) as caught:
+        for step in range(1, 50):          # the thread fails on the first; a later call says so
+            writer.write({"step": step, "reward/mean": 0.5})
+            writer.flush()
+    assert caught.value.what == "TensorBoard events" and caught.value.path == tmp_path / "tb"
+    assert caught.value.reason == "No space left on device (errno 28)"
+    assert "Traceback" not in capsys.readouterr().err

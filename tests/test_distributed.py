@@ -280,6 +280,39 @@ def test_trainer_update_two_ranks_equals_one_process(tmp_path, monkeypatch):
             assert torch.allclose(p, expected[name], rtol=0, atol=1e-5), (strategy, name)
 
 
+def _on_main_worker(rank: int, world: int, port: int, root: str) -> None:
+    """Rank 0 fails inside ``on_main`` three ways; every rank records what it raised."""
+    import json
+    from gspo.errors import UserError, WriteFailed
+    _init(rank, world, port)
+    faults = [UserError("run.dir r is in use by PID 7 on h (gspo train, since t): ..."),
+              WriteFailed("the checkpoint of step 3", Path("r/c"), "No space left on device"),
+              ValueError("a bug")]
+    seen = []
+    for fault in faults:
+        def fail(fault=fault):
+            raise fault
+        try:
+            Dist(rank=rank, world=world).on_main(fail)
+        except Exception as err:  # noqa: BLE001  recorded for the test
+            seen.append([type(err).__name__, str(err)])
+    (Path(root) / f"seen_{rank}.json").write_text(json.dumps(seen))
+    torch_dist.destroy_process_group()
+
+
+def test_on_main_tells_every_rank_rank_0s_user_error_and_failed_write(tmp_path):
+    """The lock refusal (a UserError) and a full disk (WriteFailed) in rank 0's part reach the
+    other ranks as themselves (one line and exit 2 / 4 each); anything else as a RuntimeError."""
+    import json
+    _spawn(_on_main_worker, str(tmp_path))
+    zero, one = (json.loads((tmp_path / f"seen_{r}.json").read_text()) for r in range(WORLD))
+    locked = "run.dir r is in use by PID 7 on h (gspo train, since t): ..."
+    full = "could not write the checkpoint of step 3 (r/c): No space left on device"
+    assert zero == [["UserError", locked], ["WriteFailed", full], ["ValueError", "a bug"]]
+    assert one == [["UserError", locked], ["WriteFailed", full],
+                   ["RuntimeError", "rank 0 failed: ValueError: a bug"]]
+
+
 # ----------------------------------------------------------------------------- torchrun
 
 SMALL_RUN = [

@@ -11,7 +11,7 @@ from gspo import objectives
 from gspo.objectives import AGGREGATIONS, aggregate, kl_k3, masked_mean
 
 F64 = torch.float64
-NAMES = ["cispo", "gmpo", "grpo", "gspo", "gspo_token", "ppo", "sapo"]
+NAMES = ["cispo", "gmpo", "grpo", "gspo", "gspo_token", "luspo", "ppo", "sapo"]
 
 
 def mask_of(lengths, t):
@@ -249,6 +249,111 @@ def test_gmpo_gradient_random():
     torch.testing.assert_close(grad_of(loss, logp), -(a * gm / lengths / n) * ~clipped * mask)
 
 
+def test_luspo_value_and_gradient():
+    # ε = 0.2 both sides, N = 3 responses; ℓ_i = −|y_i| min(s_i Â_i, clip(s_i) Â_i), seq-mean
+    # row 0: |y| = 2, token ratios 1.21 and 1 → s = √1.21 = 1.1 (inside 0.8..1.2), Â = +1
+    #        ℓ = −2 · 1.1 = −2.2; gradient per token −s Â / N = −1.1/3 = −0.3666667
+    # row 1: |y| = 1, ratio 0.5 → s = 0.5 < 0.8 with Â = −1: clipped low, ℓ = −1 · (−0.8) = 0.8, no gradient
+    # row 2: |y| = 3, on-policy s = 1, Â = −0.5: ℓ = −3 · (−0.5) = 1.5; gradient −(1)(−0.5)/3 = +0.1666667
+    # loss = (−2.2 + 0.8 + 1.5)/3 = 0.1/3 = 0.0333333
+    # (GSPO on the same batch: ℓ = (−1.1, 0.8, 0.5), per-token gradients −1.1/(3·2) and 0.5/(3·3):
+    #  LUSPO's token weights are GSPO's times |y_i|)
+    mask = mask_of((2, 1, 3), 3)
+    old = torch.full((3, 3), -1.0, dtype=F64)
+    ratios = torch.tensor([[1.21, 1.0, 1.0], [0.5, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=F64)
+    logp = (old + ratios.log()).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, -0.5], dtype=F64)
+    loss, st = objectives.get("luspo")(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
+    assert loss.item() == pytest.approx(0.1 / 3)
+    want = torch.tensor([[-1.1 / 3, -1.1 / 3, 0.0], [0.0, 0.0, 0.0], [0.5 / 3, 0.5 / 3, 0.5 / 3]],
+                        dtype=F64)
+    torch.testing.assert_close(grad_of(loss, logp), want)
+    assert st["clip_frac_seqs"].item() == pytest.approx(1 / 3)          # row 1, as GSPO counts it
+    assert st["clip_frac_low"].item() == pytest.approx(1 / 6)           # its 1 token of 6
+    assert (st["ratio_min"].item(), st["ratio_max"].item()) == pytest.approx((0.5, 1.1))
+    gspo_loss, _ = objectives.get("gspo")(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
+    assert gspo_loss.item() == pytest.approx((-1.1 + 0.8 + 0.5) / 3)
+
+
+def test_luspo_is_gspo_with_each_response_weighted_by_its_length():
+    # values and gradients: LUSPO row i = |y_i| × GSPO row i, clip decisions and stats identical
+    logp, old, adv, mask = random_batch(seed=16, spread=0.1)
+    kw = dict(eps_low=0.03, eps_high=0.04)
+    lengths = mask.sum(-1)
+    rows_l, rows_g = [], []
+    for i in range(len(adv)):
+        one = slice(i, i + 1)
+        for name, out in (("luspo", rows_l), ("gspo", rows_g)):
+            piece = logp.detach()[one].clone().requires_grad_()
+            loss, _ = objectives.get(name)(piece, old[one], adv[one], mask[one], **kw)
+            out.append((loss.detach(), grad_of(loss, piece)))
+    for i, ((l_l, g_l), (l_g, g_g)) in enumerate(zip(rows_l, rows_g)):
+        torch.testing.assert_close(l_l, lengths[i] * l_g)
+        torch.testing.assert_close(g_l, lengths[i] * g_g)
+    _, st_l = objectives.get("luspo")(logp, old, adv, mask, **kw)
+    _, st_g = objectives.get("gspo")(logp, old, adv, mask, **kw)
+    assert 0 < st_g["clip_frac_seqs"].item() < 1, "test needs clipped and unclipped responses"
+    for key in st_g:
+        torch.testing.assert_close(st_l[key], st_g[key])
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if objectives.spec(n).zero_at_zero_advantage])
+def test_zero_at_zero_advantage_flag_holds(name):
+    """The flag the row-skipping plan reads: a flagged objective gives value 0 and gradient 0 on
+    rows with Â = 0 (far off-policy, clipped or not), beside rows with signal."""
+    logp, old, adv, mask = random_batch(seed=17, spread=1.0)
+    adv = adv.clone()
+    adv[[1, 3]] = 0.0
+    loss, _ = objectives.get(name)(logp, old, adv, mask)
+    g = grad_of(loss, logp)
+    assert torch.count_nonzero(g[[1, 3]]) == 0 and torch.count_nonzero(g[[0, 2, 4]]) > 0
+    zero, _ = objectives.get(name)(logp, old, torch.zeros_like(adv), mask)
+    assert zero.item() == 0.0 and torch.count_nonzero(grad_of(zero, logp)) == 0
+
+
+def test_dpo_loss_value_and_gradient():
+    # β = 0.1; pair 0: log-ratio to the reference +2 (winner), −1 (loser): margin 0.1·3 = 0.3
+    #   loss = −log σ(0.3) = log(1 + e^−0.3) = 0.5543552; ∂/∂logp_w = −β σ(−0.3) / K
+    #   σ(−0.3) = 0.4255575 → −0.04255575 / 2 = −0.0212779; ∂/∂logp_l = +0.0212779
+    # pair 1: policy = reference on both: margin 0, loss log 2 = 0.6931472, ∂ = ∓β/2 / K = ∓0.025
+    # mean over K = 2: (0.5543552 + 0.6931472)/2 = 0.6237512
+    ref_w, ref_l = torch.tensor([-3.0, -2.0], dtype=F64), torch.tensor([-4.0, -5.0], dtype=F64)
+    logp_w = torch.tensor([-1.0, -2.0], dtype=F64, requires_grad=True)
+    logp_l = torch.tensor([-5.0, -5.0], dtype=F64, requires_grad=True)
+    loss, st = objectives.dpo_loss(logp_w, logp_l, ref_w, ref_l, beta=0.1)
+    sig = lambda x: 1 / (1 + math.exp(-x))                                 # noqa: E731
+    assert math.log(1 + math.exp(-0.3)) == pytest.approx(0.5543552)
+    assert loss.item() == pytest.approx((math.log(1 + math.exp(-0.3)) + math.log(2)) / 2)
+    assert loss.item() == pytest.approx(0.6237512)
+    g_w, g_l = torch.autograd.grad(loss, (logp_w, logp_l))
+    assert sig(-0.3) == pytest.approx(0.4255575)
+    torch.testing.assert_close(g_w, torch.tensor([-0.1 * sig(-0.3) / 2, -0.1 * 0.5 / 2], dtype=F64))
+    torch.testing.assert_close(g_l, -g_w)
+    # implicit rewards: chosen β(2, 0) → 0.1, rejected β(−1, 0) → −0.05, margin 0.15, accuracy ½
+    assert st["chosen"].item() == pytest.approx(0.1) and st["rejected"].item() == pytest.approx(-0.05)
+    assert st["margin"].item() == pytest.approx(0.15) and st["accuracy"].item() == 0.5
+    assert not any(v.requires_grad for v in st.values())
+
+
+def test_dpo_loss_reference_has_no_gradient_and_shapes_are_checked():
+    ref = torch.zeros(2, dtype=F64, requires_grad=True)
+    lp = torch.zeros(2, dtype=F64, requires_grad=True)
+    loss, _ = objectives.dpo_loss(lp, lp.detach() - 1, ref, ref.detach(), beta=1.0)
+    assert torch.autograd.grad(loss, ref, allow_unused=True)[0] is None     # detached inside
+    empty = torch.zeros(0, dtype=F64)
+    assert objectives.dpo_loss(empty, empty, empty, empty, beta=0.1)[0].item() == 0.0
+    with pytest.raises(ValueError, match=r"\[K\]"):
+        objectives.dpo_loss(lp[:, None], lp[:, None], ref[:, None], ref[:, None], beta=0.1)
+
+
+def test_sequence_logprobs_sum_the_response_and_skip_padding():
+    # ln 0.5 + ln 0.25 = ln 0.125; row 1 empty → 0; padding holds NaN and is never read
+    logp = torch.tensor([[math.log(0.5), math.log(0.25), float("nan")],
+                         [float("nan")] * 3], dtype=F64)
+    got = objectives.sequence_logprobs(logp, mask_of((2, 0), 3))
+    assert got.tolist() == pytest.approx([math.log(0.125), 0.0])
+
+
 # ----------------------------------------------------------------------------- invariances
 
 def pad(x, k, value):
@@ -483,11 +588,14 @@ def test_registry_names_specs_and_errors():
         "eps_low": 0.2, "eps_high": 0.27, "aggregation": "seq-mean-token-mean"}
     assert objectives.spec("cispo").defaults["aggregation"] == "token-mean"
     assert objectives.spec("gmpo").defaults["eps_low"] == 0.4
-    assert [n for n in NAMES if objectives.spec(n).sequence_level] == ["gmpo", "gspo", "gspo_token"]
+    assert [n for n in NAMES if objectives.spec(n).sequence_level] == [
+        "gmpo", "gspo", "gspo_token", "luspo"]
     assert dict(objectives.spec("ppo").defaults) == {
         "eps_low": 0.2, "eps_high": 0.2, "aggregation": "token-mean"}
+    assert dict(objectives.spec("luspo").defaults) == dict(gspo.defaults)
+    assert all(objectives.spec(n).zero_at_zero_advantage for n in NAMES)   # all proportional to Â
     for name, paper in [("sapo", "2511.20347"), ("cispo", "2506.13585"), ("gmpo", "2507.20673"),
-                        ("ppo", "1707.06347")]:
+                        ("ppo", "1707.06347"), ("luspo", "2602.05261")]:
         assert paper in objectives.spec(name).paper
 
 

@@ -148,6 +148,42 @@ def test_full_disk(capsys, tmp_path, monkeypatch):
     assert "run.dir: only 1 MB free" in err and "MB are needed" in err
 
 
+@pytest.mark.parametrize("keep, on_disk, expected", [
+    (2, 0, 3), (2, 1, 2), (2, 2, 1), (2, 3, 1), (1, 1, 1), (5, 2, 4)])
+def test_checkpoints_still_to_write(keep, on_disk, expected):
+    """At its fullest the folder holds max(keep, on disk) + the one being written (renamed into
+    place before rotation deletes the oldest); those already on disk need no new room."""
+    assert preflight.checkpoints_to_write(keep, on_disk) == expected
+
+
+def test_resume_counts_the_checkpoints_already_on_disk(tmp_path, monkeypatch):
+    """A resumed run with its 2 kept checkpoints on disk needs room for one more (+ the margin):
+    with exactly that it proceeds, with a byte less it is refused; a fresh run needs all three."""
+    from gspo.config import load_config
+    run = tmp_path / "run"
+    for step in (5, 10):
+        (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    cfg = load_config(None, [f"run.dir={run}", "sft.enabled=false"])   # keep_checkpoints: 2
+    size = 10 * preflight.MB
+    monkeypatch.setattr(preflight, "checkpoint_bytes", lambda cfg: size)
+    usage = namedtuple("usage", "total used free")
+    just_enough = size + preflight.MIN_FREE_MB * preflight.MB
+
+    def free(n):
+        monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(1 << 40, 0, n))
+    free(just_enough)
+    preflight.check_run_dir(cfg, resume=True)
+    free(just_enough - 1)
+    with pytest.raises(preflight.UserError, match=r"\(2 kept \+ one being written, 2 of them "
+                                                  r"already on disk"):
+        preflight.check_run_dir(cfg, resume=True)
+    cfg.run.overwrite = True                            # replacing it: nothing on disk counts
+    free(3 * size + preflight.MIN_FREE_MB * preflight.MB - 1)
+    with pytest.raises(preflight.UserError, match=r"about 94 MB are needed \(2 kept \+ one "
+                                                  r"being written, see"):
+        preflight.check_run_dir(cfg, resume=False)
+
+
 def test_sft_cache_dir_unwritable(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     code = main(["train", f"run.dir={tmp_path / 'run'}", f"sft.cache_dir={tmp_path / 'file' / 'c'}"])

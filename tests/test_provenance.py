@@ -87,8 +87,8 @@ def test_fields_of_a_cpu_run(run):
     assert o["hyperparameters"] == {"eps_low": 0.05, "eps_high": 4e-4, "aggregation": "seq-mean"}
     assert o["aggregation"] == "seq-mean" and o["token_sum_norm"] == 4
     a = prov["advantage"]
-    assert a["name"] == "group-relative" and a["scale"] == "group" and a["group_size"] == 4
-    assert "std_group" in a["formula"]
+    assert (a["name"], a["scale"], a["group_size"]) == ("group", "group", 4)
+    assert a["formula"].startswith("Â_i = (r_i − mean_group(r)) / (std_group(r) + eps)")
     assert prov["sampling"]["rollout"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
                                            "max_new_tokens": 4, "group_size": 4,
                                            "prompts_per_step": 4}
@@ -109,9 +109,29 @@ def test_report_shows_the_provenance(run):
 
 
 def test_every_objective_states_its_equations():
-    for name in ("cispo", "gmpo", "grpo", "gspo", "gspo_token", "ppo", "sapo"):
+    for name in ("cispo", "gmpo", "grpo", "gspo", "gspo_token", "luspo", "ppo", "sapo"):
         spec = objectives.spec(name)
         assert "ℓ_" in spec.equations and spec.paper, name
+
+
+def test_estimators_and_baselines_are_described():
+    from gspo.config import load_config
+
+    def entry(*overrides):
+        return provenance.collect(load_config(None, list(overrides)), command="train", device="cpu")
+    rloo = entry("advantage.estimator=rloo")["advantage"]
+    assert (rloo["name"], rloo["scale"]) == ("rloo", "none")
+    assert rloo["formula"] == "Â_i = r_i − mean_{j≠i} r_j  [RLOO, arXiv 2402.14740 Eq. 5]"
+    ppo = entry("objective.name=ppo")
+    assert (ppo["objective"]["registry"], ppo["objective"]["aggregation"]) == ("ppo", "token-mean")
+    assert ppo["advantage"]["name"] == "gae" and ppo["advantage"]["lam"] == 0.95
+    for name, algorithm in (("sft", "SFTBaseline"), ("dpo", "OnlineDPO")):
+        prov = entry(f"objective.name={name}")
+        assert prov["objective"]["algorithm"] == algorithm and prov["objective"]["registry"] is None
+        assert prov["advantage"]["name"] == "none"
+    assert provenance.objective_differences(entry("objective.name=sft")["objective"],
+                                            entry("objective.name=dpo")["objective"])[:2] == [
+        "name 'sft' -> 'dpo'", "algorithm 'SFTBaseline' -> 'OnlineDPO'"]
 
 
 # ----------------------------------------------------------------------------- resume

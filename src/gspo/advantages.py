@@ -1,5 +1,6 @@
-"""Advantage estimators: group-relative advantages (GSPO paper Eq. 6, as GRPO) and a small registry;
-per-token GAE for PPO with a critic (`gae`, `whiten`).
+"""Advantage estimators: group-relative advantages (GSPO paper Eq. 6, as GRPO) and RLOO's
+leave-one-out baseline in a small registry; best-vs-worst pairs of a group (online DPO); per-token
+GAE for PPO with a critic (`gae`, `whiten`).
 
 Rewards [N] arrive as P consecutive groups of G responses to the same prompt (N = P·G); each
 response is judged against its own group, never against the whole batch (see seeds/NOTES.md §1).
@@ -14,38 +15,57 @@ trainer's `dynamic_sampling`), or a value model.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["GAE_FORMULA", "SCALES", "SCALE_FORMULAS", "available", "gae", "get",
-           "group_advantages", "register", "whiten"]
+__all__ = ["GAE_FORMULA", "SCALES", "available", "best_worst_pairs", "default_scale", "formula",
+           "gae", "get", "group_advantages", "register", "rloo_advantages", "whiten"]
 
 SCALES = ("group", "batch", "none")
 """What centred rewards are divided by: the group's std (Eq. 6), the batch's std, nothing."""
-SCALE_FORMULAS = {
-    "group": "Â_i = (r_i − mean_group(r)) / (std_group(r) + eps)   (GSPO Eq. 6, arXiv 2507.18071)",
-    "batch": "Â_i = (r_i − mean_group(r)) / (std_batch(r) + eps)",
-    "none": "Â_i = r_i − mean_group(r)   (Dr. GRPO, arXiv 2503.20783)",
-}
-"""`group_advantages` per scale, in one line (what a run's provenance.json records)."""
+DIVISORS = {"group": "std_group(r) + eps", "batch": "std_batch(r) + eps", "none": None}
+"""What each scale divides the centred reward by (`formula`)."""
 GAE_FORMULA = ("δ_t = r_t + γ V_t' − V_t; Â_t = δ_t + γλ Â_t'   (GAE, arXiv 1506.02438 Eq. 16; "
                "t' the next response token)")
 """`gae` in one line."""
 
 Estimator = Callable[..., Tensor]
 _REGISTRY: dict[str, Estimator] = {}
+_DEFAULT_SCALE: dict[str, str] = {}
+_CENTRED: dict[str, tuple[str, str]] = {}
 
 
-def register(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: register an estimator `(rewards [N], group_size, **options) -> advantages [N]`."""
+def register(name: str, *, scale: str, centred: str | None = None, paper: str = ""
+             ) -> Callable[[Estimator], Estimator]:
+    """Decorator: register an estimator `(rewards [N], group_size, *, scale, eps) -> advantages [N]`
+    with the `scale` its paper uses (what `advantage.scale` resolves to when left unset), its
+    centred reward in one line (`formula`; left out: the docstring's first line) and citation."""
 
     def decorate(fn: Estimator) -> Estimator:
         _REGISTRY[name] = fn
+        _DEFAULT_SCALE[name] = scale
+        _CENTRED[name] = (centred or (fn.__doc__ or name).strip().splitlines()[0], paper)
         return fn
 
     return decorate
+
+
+def formula(name: str, scale: str) -> str:
+    """Estimator `name` at `scale` in one line, e.g. 'Â_i = (r_i − mean_group(r)) /
+    (std_group(r) + eps)  [GSPO Eq. 6 ...]' (what a run's provenance.json records)."""
+    get(name)
+    (centred, paper), divisor = _CENTRED[name], DIVISORS[scale]
+    body = f"({centred}) / ({divisor})" if divisor else centred
+    return f"Â_i = {body}" + (f"  [{paper}]" if paper else "")
+
+
+def default_scale(name: str) -> str:
+    """The scale estimator `name` uses when `advantage.scale` is not given (its paper's)."""
+    get(name)
+    return _DEFAULT_SCALE[name]
 
 
 def available() -> list[str]:
@@ -60,7 +80,8 @@ def get(name: str) -> Estimator:
     return _REGISTRY[name]
 
 
-@register("group")
+@register("group", scale="group", centred="r_i − mean_group(r)",
+          paper="GSPO Eq. 6, arXiv 2507.18071; scale none: Dr. GRPO, arXiv 2503.20783")
 def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
                      eps: float = 1e-6) -> Tensor:
     """Â_i = (r_i − mean_group(r)) / (std + eps), one vectorised pass over rewards.view(P, G).
@@ -70,12 +91,7 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
     scale="none":  centre per group only (Dr. GRPO, arXiv 2503.20783).
     A group whose rewards are all equal gets exactly 0 (no signal), whatever the scale.
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
-    if group_size < 2:
-        raise ValueError(f"group_size must be at least 2 (a group needs a baseline); got {group_size}")
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    _check_groups(rewards, group_size)
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)  # [P, G]
@@ -86,6 +102,64 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
         centred = centred / (r.std() + eps)                           # [P, G] / (std_batch + eps)
     flat = (r == r[:, :1]).all(-1, keepdim=True)                      # [P, 1] zero-variance group
     return torch.where(flat, torch.zeros_like(centred), centred).view(-1)  # [N]
+
+
+@register("rloo", scale="none", centred="r_i − mean_{j≠i} r_j",
+          paper="RLOO, arXiv 2402.14740 Eq. 5")
+def rloo_advantages(rewards: Tensor, group_size: int, *, scale: str = "none",
+                    eps: float = 1e-6) -> Tensor:
+    """RLOO: Â_i = r_i − mean_{j≠i} r_j, the mean of the OTHER responses of i's group as baseline
+    (Kool et al. 2019; Ahmadian et al., arXiv 2402.14740, Eq. 5). Equals n/(n−1)·(r_i − mean_group).
+
+    NaN rewards are dropped samples (reward.on_error=drop): they take no part in any baseline and
+    get 0; n is the number of scored samples of the group. A group with fewer than 2 scored
+    samples, or with equal rewards, gets exactly 0. scale="none" (default, the paper's form), or
+    "group": divided by the Bessel-corrected std of the group's scored rewards + eps.
+    "batch" is not offered (its distributed std is the group estimator's). rewards: [N] → [N].
+    """
+    _check_groups(rewards, group_size)
+    if scale not in ("none", "group"):
+        raise ValueError(f"rloo takes scale none or group; got {scale!r}")
+    valid = torch.isfinite(rewards).view(-1, group_size)                           # [P, G]
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    r = torch.where(valid, rewards.view(-1, group_size).to(dtype), torch.zeros((), dtype=dtype))
+    n = valid.sum(-1, keepdim=True)                                                # [P, 1] scored
+    others = (r.sum(-1, keepdim=True) - r) / (n - 1).clamp(min=1)                  # [P, G] mean_{j≠i}
+    adv = r - others                                                               # [P, G] Â_i
+    if scale == "group":
+        mean = r.sum(-1, keepdim=True) / n.clamp(min=1)
+        var = (torch.where(valid, r - mean, torch.zeros_like(r)) ** 2).sum(-1, keepdim=True)
+        adv = adv / ((var / (n - 1).clamp(min=1)).sqrt() + eps)                   # / (std + eps)
+    hi = torch.where(valid, r, torch.full_like(r, -math.inf)).amax(-1, keepdim=True)
+    lo = torch.where(valid, r, torch.full_like(r, math.inf)).amin(-1, keepdim=True)
+    silent = (hi == lo) | (n < 2) | ~valid                                         # [P, G] no signal
+    return torch.where(silent, torch.zeros_like(adv), adv).view(-1)                # [N]
+
+
+def best_worst_pairs(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Online-DPO pairs: per group, the row of its best and of its worst reward (first on ties).
+
+    Groups whose scored rewards are all equal (or with fewer than 2 scored) give no pair; NaN
+    rewards (dropped samples) never enter one. Returns (winners [K], losers [K]), row indices
+    into rewards [N], K ≤ P, in group order, on rewards' device.
+    """
+    _check_groups(rewards, group_size)
+    r = rewards.view(-1, group_size).float()                                       # [P, G]
+    valid = torch.isfinite(r)
+    hi = torch.where(valid, r, torch.full_like(r, -math.inf))
+    lo = torch.where(valid, r, torch.full_like(r, math.inf))
+    keep = hi.amax(-1) > lo.amin(-1)                                               # [P] a difference
+    offset = torch.arange(r.shape[0], device=r.device) * group_size                # [P] first row
+    return (hi.argmax(-1) + offset)[keep], (lo.argmin(-1) + offset)[keep]
+
+
+def _check_groups(rewards: Tensor, group_size: int) -> None:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be at least 2 (a group needs a baseline); got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
 
 
 def gae(rewards_tok: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float

@@ -11,6 +11,8 @@ The trainer runs every step the same way (rollouts, rewards, then an update) and
   update M minibatch updates of the critic with the clipped value loss.
 * ``SFTBaseline`` (``sft``): no policy-gradient update; M AdamW steps of ``gspo.sft.sft_loss`` on
   demonstrations whose tokens match the step's rollout batch (the "no RL" baseline).
+* ``OnlineDPO`` (``dpo``): no policy-gradient update; M AdamW steps of the DPO loss
+  (``gspo.objectives.dpo_loss``) on each group's best-vs-worst pair, the cold start as reference.
 
 The interface (``Algorithm``) is what the trainer calls: ``setup`` once the policy exists,
 ``advantages`` on each rollout batch, ``update`` after the policy's update (or instead of it when
@@ -31,14 +33,16 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gspo import objectives
-from gspo.advantages import GAE_FORMULA, SCALE_FORMULAS, gae, whiten
+from gspo.advantages import GAE_FORMULA, best_worst_pairs, formula, gae, whiten
 from gspo.isolation import advantages_with_drops
+from gspo.objectives import dpo_loss, sequence_logprobs
 from gspo.optim import build_optimizer, build_scheduler, clipped_step
 from gspo.rollout import RolloutBatch, demonstration_batch
 from gspo.sft import sft_loss
 from gspo.value import Critic, explained_variance, value_loss
 
-__all__ = ["Algorithm", "GroupRelative", "PPO", "SFTBaseline", "get", "names", "terminal_rewards"]
+__all__ = ["Algorithm", "GroupRelative", "OnlineDPO", "PPO", "SFTBaseline", "get", "names",
+           "terminal_rewards"]
 
 CRITIC_FILES = ("critic.safetensors", "critic_optimizer.pt", "critic_scheduler.pt")
 
@@ -81,7 +85,8 @@ def _single_process(trainer, name: str) -> None:
 # ----------------------------------------------------------------------------- group-relative
 
 class GroupRelative:
-    """Group-relative advantages (GSPO Eq. 6; reward.on_error=drop aware) for a registry objective."""
+    """Group-relative advantages (``advantage.estimator``: group, GSPO Eq. 6 | rloo; reward.on_error=drop
+    aware) for a registry objective."""
 
     def __init__(self, cfg):
         self.cfg, self.objective = cfg, cfg.objective.name
@@ -92,11 +97,11 @@ class GroupRelative:
     def advantages(self, batch: RolloutBatch, rewards: Tensor) -> Tensor:
         a = self.cfg.advantage
         return advantages_with_drops(batch, rewards, self.cfg.rollout.group_size, scale=a.scale,
-                                     eps=a.eps)                                       # [N]
+                                     eps=a.eps, estimator=a.estimator)                # [N]
 
     def advantage_estimator(self) -> dict:
         a = self.cfg.advantage
-        return {"name": "group-relative", "formula": SCALE_FORMULAS[a.scale], "scale": a.scale,
+        return {"name": a.estimator, "formula": formula(a.estimator, a.scale), "scale": a.scale,
                 "eps": a.eps, "group_size": self.cfg.rollout.group_size,
                 "reward_on_error": self.cfg.reward.on_error}
 
@@ -297,9 +302,86 @@ class SFTBaseline:
         self.cursor.load(state["demo_cursor"])
 
 
+# ----------------------------------------------------------------------------- online DPO
+
+class OnlineDPO:
+    """Online DPO (arXiv 2305.18290's loss on on-policy pairs, as arXiv 2402.04792): from each
+    group of G rollouts, the best-rewarded response is preferred to the worst-rewarded one; groups
+    without a reward difference give no pair. Reference: the cold-start policy (the trainer's
+    ``ref_model`` when ``train.beta > 0``, else a frozen copy taken at setup, before a resume
+    restores the weights). Per step, M minibatch AdamW steps over the step's K ≤ P pairs.
+
+    It replaces the policy-gradient update (``objective`` is None): no ratio, no clipping, no row
+    skipping (only pair rows are ever forwarded). A response leaves the pairs when its reward was
+    dropped (reward.on_error=drop) or its loss mask is empty (train.mask_truncated)."""
+
+    objective = None
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def advantage_estimator(self) -> dict:
+        return {"name": "none", "formula": "no advantages: DPO on each group's best-vs-worst "
+                                           "reward pair"}
+
+    def setup(self, trainer) -> None:
+        _single_process(trainer, "dpo")
+        self.trainer = trainer
+        self.ref = trainer.ref_model or copy.deepcopy(trainer.model).eval().requires_grad_(False)
+
+    def pairs(self, batch: RolloutBatch, rewards: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(winners [K], losers [K]) row indices on the host, and the loss mask [N, T]."""
+        mask = self.trainer.loss_mask(batch)                                          # [N, T]
+        usable = (mask > 0).any(-1) & torch.isfinite(rewards)                         # [N]
+        scored = torch.where(usable, rewards.float(), torch.full_like(rewards.float(), float("nan")))
+        win, lose = best_worst_pairs(scored.cpu(), self.cfg.rollout.group_size)
+        return win, lose, mask
+
+    def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
+        t, cfg = self.trainer, self.cfg
+        win, lose, mask = self.pairs(batch, rewards)
+        groups = len(rewards) // cfg.rollout.group_size
+        out = {"dpo/pairs": len(win), "dpo/groups_without_pair": groups - len(win)}
+        if not len(win):
+            return {**out, "train/skipped": 1.0}
+        rows = torch.cat([win, lose])                                                 # [2K] host
+        with torch.no_grad():
+            ref = sequence_logprobs(t._logprobs(self.ref, batch.select(rows), with_entropy=False).logp,
+                                    mask[rows.to(mask.device)])                       # [2K]
+        ref_w, ref_l = ref.chunk(2)                                                   # [K] each
+        gen = torch.Generator().manual_seed(t.minibatch_seed(step))
+        order = torch.randperm(len(win), generator=gen)
+        collected: dict[str, list[Tensor]] = {}
+        t.model.train()
+        for part in order.tensor_split(min(cfg.train.minibatches, len(win))):
+            sel = torch.cat([win[part], lose[part]])                                  # [2k] host
+            logp = t._logprobs(t.model, batch.select(sel), with_entropy=False).logp    # [2k, T]
+            seq_w, seq_l = sequence_logprobs(logp, mask[sel.to(mask.device)]).chunk(2)  # [k] each
+            part_d = part.to(ref.device)
+            loss, stats = dpo_loss(seq_w, seq_l, ref_w[part_d], ref_l[part_d], beta=cfg.dpo.beta)
+            norm = clipped_step(loss, t.model.parameters(), t.optimizer, t.scheduler,
+                                cfg.train.grad_clip)
+            logged = {"dpo/loss": loss.detach(), "optim/grad_norm": norm.detach(),
+                      **{f"dpo/{name}": x for name, x in stats.items()}}
+            for key, x in logged.items():
+                collected.setdefault(key, []).append(x.float())
+        keys = list(collected)
+        numbers = torch.stack([torch.stack(collected[k]).mean() for k in keys]).tolist()
+        return {**out, **dict(zip(keys, numbers)), "optim/lr": t.scheduler.get_last_lr()[0]}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def save(self, path: Path) -> None:
+        pass
+
+    def load(self, path: Path, state: dict) -> None:
+        pass
+
+
 # ----------------------------------------------------------------------------- registry
 
-_REGISTRY = {"ppo": PPO, "sft": SFTBaseline}
+_REGISTRY = {"dpo": OnlineDPO, "ppo": PPO, "sft": SFTBaseline}
 
 
 def names() -> list[str]:

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gspo import objectives
-from gspo.isolation import masked_group_advantages
+from gspo.isolation import drop_aware
 from gspo.models import save_model
 
 FORMAT = 1
@@ -121,8 +121,8 @@ class Recorder:
             "train": {k: getattr(cfg.train, k) for k in
                       ("old_logprobs", "mask_truncated", "minibatches", "beta", "entropy_coef",
                        "logprob_chunk")},
-            "advantage": {"scale": cfg.advantage.scale, "eps": cfg.advantage.eps,
-                          "group_size": cfg.rollout.group_size},
+            "advantage": {"estimator": cfg.advantage.estimator, "scale": cfg.advantage.scale,
+                          "eps": cfg.advantage.eps, "group_size": cfg.rollout.group_size},
             "moe": cfg.moe.model_dump(),
             "sampling": asdict(trainer.sampling),
             "seeds": {"generation": trainer.rollout_seed(step, 0),
@@ -238,6 +238,7 @@ def _token_gated(lr, a, k):
 CLIP_RULES = {
     "gspo": _clip_seq,
     "gspo_token": _clip_seq,
+    "luspo": _clip_seq,              # GSPO's s_i and clip; only the loss is scaled by |y_i|
     # token ratio r = exp(log r), sign-gated (PPO / GRPO / SAPO's reported clip)
     "grpo": _clip_token_frac(_token_gated),
     "sapo": _clip_token_frac(_token_gated),
@@ -393,9 +394,10 @@ def _input_checks(cfg, meta: dict, t: dict, r: Recomputed, tol: Tolerances) -> l
         "token ids decode to the saved text")))
     checks.append(_rescore(cfg, meta, completions, t["rewards"], tol.reward))
     a = meta["advantage"]
-    adv = masked_group_advantages(t["rewards"], a["group_size"], scale=a["scale"], eps=a["eps"])
+    estimator = a.get("estimator", "group")                 # records before rloo: group
+    adv = drop_aware(estimator)(t["rewards"], a["group_size"], scale=a["scale"], eps=a["eps"])
     checks.append(_compare("advantages", t["advantages"], adv, 1e-5,
-                           what="group advantages of the saved rewards"))
+                           what=f"{estimator} advantages of the saved rewards"))
     return checks
 
 

@@ -10,8 +10,10 @@ Layout of ``RUN/checkpoints/step_000050/``::
 A checkpoint is written to a temporary folder, flushed to disk (fsync) and renamed into place, so
 a crash leaves either the previous checkpoint or the new one, never half of one. Weights that are
 not finite are refused (the previous checkpoints stay the last good ones). Loading verifies the
-checksums and falls back to the previous checkpoint when the newest is corrupt. Nothing is ever
-unpickled: weights are safetensors, the trainer state JSON, optimizer and scheduler state go
+checksums and falls back to the previous checkpoint when the newest is corrupt. A write that fails
+(a full disk) removes the temporary folder and raises ``WriteFailed`` (gspo.storage); the folders
+of a writer that was killed are removed by the run's next writer (``remove_partial``). Nothing is
+ever unpickled: weights are safetensors, the trainer state JSON, optimizer and scheduler state go
 through ``torch.load(weights_only=True)``.
 """
 
@@ -28,6 +30,7 @@ from typing import Callable
 import torch
 
 from gspo.models import save_model
+from gspo.storage import save_torch, writing
 
 STATE_FILE = "trainer_state.json"
 CHECKSUM_FILE = "checksums.json"
@@ -62,29 +65,31 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer,
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        if model_state is None:
-            save_model(model, tokenizer, tmp)
-        else:                                   # full weights gathered from FSDP shards
-            save_model(model, tokenizer, tmp, state_dict=model_state)
-        torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state,
-                   tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
-        if extra is not None:
-            extra(tmp)
-        sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1))
-        for p in tmp.iterdir():
-            _fsync(p)
-        _fsync(tmp)
+        with writing(f"the checkpoint of step {step}", tmp):
+            tmp.mkdir(parents=True)
+            if model_state is None:
+                save_model(model, tokenizer, tmp)
+            else:                                   # full weights gathered from FSDP shards
+                save_model(model, tokenizer, tmp, state_dict=model_state)
+            save_torch(optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                       tmp / "optimizer.pt")
+            save_torch(scheduler.state_dict(), tmp / "scheduler.pt")
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
+            if extra is not None:
+                extra(tmp)
+            sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            (tmp / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1))
+            for p in tmp.iterdir():
+                _fsync(p)
+            _fsync(tmp)
     except BaseException:  # a full disk, a signal: leave no temporary folder behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    _fsync(final.parent)
+    with writing(f"the checkpoint of step {step}", final):
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        _fsync(final.parent)
     prune(run_dir, keep)
     return final
 
@@ -117,6 +122,16 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+
+
+def remove_partial(run_dir: str | Path) -> list[Path]:
+    """Remove the temporary folders of checkpoints whose writer died (SIGKILL, power loss) and
+    return them. Only the run's lock holder may call it: a live writer's folder looks the same."""
+    root = Path(run_dir) / "checkpoints"
+    partial = sorted(root.glob(f".{PREFIX}*.tmp")) if root.is_dir() else []
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
 
 
 def prune(run_dir: str | Path, keep: int) -> None:

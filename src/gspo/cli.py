@@ -4,7 +4,8 @@ User errors (config, data, unknown names, missing files, unwritable output) are 
 preflight phase (``gspo.preflight``), before any model is built: one line, exit 2. Inside
 training only ``UserError``s (a failing reward under ``reward.on_error=fail``) are one line;
 anything else is a bug and keeps its traceback. SIGINT / SIGTERM save a checkpoint and exit
-128 + signal (130 / 143). Exit codes: docs/reliability.md.
+128 + signal (130 / 143); a run file that cannot be written (a full disk) is one line naming it,
+the last complete checkpoint and the resume command, exit 4. Exit codes: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from gspo.errors import EXIT_USAGE, Interrupted, UserError
+from gspo.errors import EXIT_USAGE, Interrupted, UserError, WriteFailed
 
 
 def _user_errors():
@@ -68,6 +69,7 @@ def cmd_train(args) -> int:
     from gspo.guard import GuardPause
     from gspo.preflight import check_rewards, check_train, user_input
     from gspo.report import build_report
+    from gspo.rundir import write_faults
     from gspo.signals import GracefulStop
     from gspo.trainer import Trainer
     with user_input():  # preflight: config, files, output folder, data, rewards; no model yet
@@ -86,13 +88,16 @@ def cmd_train(args) -> int:
                              warn=_warn if ranks.is_main else lambda m: None)
         trainer = Trainer(cfg, resume=bool(args.resume))
         check_rewards(trainer.rewards, trainer.train_set)
+    reported = (f"training finished (summary.json and the final checkpoint are saved): free "
+                f"space, then write the report with: gspo report {cfg.run.dir}")
     try:
-        with GracefulStop(cfg.run.dir) as trainer.stop:  # SIGINT/SIGTERM: checkpoint, then exit
-            summary = trainer.run()
+        with GracefulStop(cfg.run.dir) as trainer.stop, write_faults(cfg.run.dir):
+            summary = trainer.run()            # SIGINT/SIGTERM: checkpoint, then exit; disk full: 4
     except GuardPause as pause:                  # (every rank pauses at the same step)
         distributed.shutdown()
         if ranks.is_main:
-            report = build_report(cfg.run.dir)
+            with write_faults(cfg.run.dir):
+                report = build_report(cfg.run.dir)
             print(f"gspo: paused: {pause} (report: {report})", file=sys.stderr)
         return pause.exit_code
     except BaseException:
@@ -101,7 +106,8 @@ def cmd_train(args) -> int:
     distributed.shutdown()
     if not ranks.is_main:  # rank 0 reports for all
         return 0
-    report = build_report(cfg.run.dir)
+    with write_faults(cfg.run.dir, after=reported):
+        report = build_report(cfg.run.dir)
     b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     print(f"held-out accuracy: {b:.3f} (cold start) -> {a:.3f} (after {summary['steps']} "
           f"{summary['objective']} steps), {summary['wall_s']:.0f} s")
@@ -276,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as stop:
         print(f"gspo: {stop}", file=sys.stderr)
         return stop.exit_code
+    except WriteFailed as fault:            # a full disk mid-run: what, where, how to resume
+        print(f"gspo: error: {fault}", file=sys.stderr)
+        return fault.exit_code
     except KeyboardInterrupt:
         print("gspo: interrupted", file=sys.stderr)
         return 130

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gspo import advantages, presets
 from gspo.errors import UserError
 
 
@@ -163,7 +164,7 @@ class RolloutConfig(Section):
 
 class ObjectiveConfig(Section):
     name: str = "gspo"
-    """Policy loss from the registry (gspo.objectives.available()), with group-relative advantages; or a baseline (gspo.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget)."""
+    """Policy loss from the registry (gspo.objectives.available()), with group-relative advantages; or a baseline (gspo.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget) | dpo (online DPO on each group's best-vs-worst pair, see the dpo section)."""
     eps_low: float | None = Field(None, gt=0)
     """Lower clip range (None: the objective's paper default; GSPO 3e-4)."""
     eps_high: float | None = Field(None, gt=0)
@@ -173,12 +174,19 @@ class ObjectiveConfig(Section):
     """Loss aggregation (None: the objective's paper default)."""
     params: dict[str, float] = {}
     """Extra objective hyper-parameters (e.g. {tau_pos: 1.0, tau_neg: 1.05} for sapo)."""
+    preset: str | None = None
+    """A named recipe (gspo.presets.available()): dapo | dr_grpo. Expanded into config values when the config is loaded (objective name, clip range, aggregation, advantage scale, trainer switches; docs/math.md): in a YAML file the file's own keys win; as a key=value override it stands for the preset's overrides at its place (over the file and earlier overrides, under later ones). The run's config.yaml shows the expanded values."""
 
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
         from gspo import algorithms
         return one_of("objective", name, algorithms.names())
+
+    @field_validator("preset")
+    @classmethod
+    def _preset(cls, name: str | None) -> str | None:
+        return None if name is None else one_of("objective preset", name, presets.available())
 
     @field_validator("params")
     @classmethod
@@ -216,10 +224,38 @@ class PPOConfig(Section):
 
 
 class AdvantageConfig(Section):
-    scale: Literal["group", "batch", "none"] = "group"
-    """Divide centred rewards by the group std (paper Eq. 6), the batch std, or nothing."""
+    estimator: str = "group"
+    """Baseline of the group-relative advantage (gspo.advantages.available()): group (r_i − group mean, GSPO Eq. 6) | rloo (r_i − mean of the other responses of the group, arXiv 2402.14740). For the group-relative objectives; ppo uses GAE, sft and dpo no advantages."""
+    scale: Literal["group", "batch", "none"] | None = None
+    """Divide the centred rewards by the group std (paper Eq. 6), the batch std, or nothing. Unset: the estimator's own (group: group; rloo: none), written into the resolved config. rloo takes group or none."""
     eps: float = Field(1e-6, gt=0)
     """Added to the std before dividing."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_scale(cls, data: Any) -> Any:
+        """An unset scale becomes the estimator's (an unknown estimator is reported by its field)."""
+        if isinstance(data, dict) and data.get("scale") is None:
+            name = data.get("estimator", "group")
+            if name in advantages.available():
+                data = {**data, "scale": advantages.default_scale(name)}
+        return data
+
+    @field_validator("estimator")
+    @classmethod
+    def _estimator(cls, name: str) -> str:
+        return one_of("advantage estimator", name, advantages.available())
+
+    @model_validator(mode="after")
+    def _rloo_scale(self) -> "AdvantageConfig":
+        if self.estimator == "rloo" and self.scale == "batch":
+            raise ValueError("advantage.estimator=rloo takes advantage.scale none or group, not batch")
+        return self
+
+
+class DPOConfig(Section):
+    beta: float = Field(0.1, gt=0)
+    """objective.name=dpo: β of the DPO loss −log σ(β[(log π_θ − log π_ref)(y_w) − (log π_θ − log π_ref)(y_l)]) (0.1, as arXiv 2305.18290's experiments and TRL's DPOConfig)."""
 
 
 class TrainLoopConfig(Section):
@@ -378,6 +414,9 @@ class TrainConfig(Section):
     ppo: PPOConfig = PPOConfig()
     """objective.name=ppo: critic, GAE and value loss (docs/baselines.md); ignored otherwise."""
     advantage: AdvantageConfig = AdvantageConfig()
+    """How rewards become advantages: the estimator (group | rloo) and its scaling."""
+    dpo: DPOConfig = DPOConfig()
+    """objective.name=dpo: online DPO on each group's best-vs-worst pair (docs/math.md); ignored otherwise."""
     train: TrainLoopConfig = TrainLoopConfig()
     eval: EvalConfig = EvalConfig()
     moe: MoEConfig = MoEConfig()
@@ -392,6 +431,14 @@ class TrainConfig(Section):
     """Deliberate faults for testing the guard (off by default)."""
     dist: DistConfig = DistConfig()
     """Data-parallel training under torchrun: strategy ddp | fsdp (docs/distributed.md)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        """objective.preset: fill every key the config leaves unset with the preset's value."""
+        if isinstance(data, dict) and isinstance(data.get("objective"), BaseModel):
+            data = {**data, "objective": data["objective"].model_dump(exclude_unset=True)}
+        return presets.expand(data)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -498,10 +545,15 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], source
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
                 model: type[BaseModel] = TrainConfig) -> Any:
-    """Read ``path`` (optional), apply ``key=value`` overrides, validate. Raises ConfigError."""
+    """Read ``path`` (optional), apply ``key=value`` overrides, validate. Raises ConfigError.
+
+    An ``objective.preset=NAME`` override is expanded where it stands (gspo.presets.expand)."""
     tree = read_yaml(path) if path else {}
     for text in overrides:
-        apply_override(tree, *parse_override(text))
+        key, value = parse_override(text)
+        apply_override(tree, key, value)
+        if key == ["objective", "preset"]:   # its values, here: over the file and earlier overrides
+            tree = presets.expand(tree, replace=True)
     source = str(path) if path else "config"
     try:
         return model.model_validate(tree)

@@ -34,6 +34,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gspo import checkpoint
+from gspo.errors import UserError, WriteFailed
 from gspo.logprobs import _decoder_and_head, response_logprobs
 
 STRATEGIES = ("ddp", "fsdp")
@@ -102,6 +104,16 @@ class PolicyForward(nn.Module):
         return response_logprobs(self.model, *args, **kwargs)
 
 
+def _told(err: Exception) -> tuple:
+    """What the other ranks hear of rank 0's exception in ``on_main``: the user's errors and failed
+    writes keep their kind (one line each), anything else is reported as a failure of rank 0."""
+    if isinstance(err, WriteFailed):
+        return "write", (err.what, str(err.path), err.reason)
+    if isinstance(err, UserError):
+        return "user", str(err)
+    return "error", f"{type(err).__name__}: {err}"
+
+
 @dataclass
 class Dist:
     """This process's rank among ``world`` and the data-parallel helpers (no-ops when world = 1)."""
@@ -156,10 +168,14 @@ class Dist:
             try:
                 box[0] = ("ok", fn())
             except Exception as err:  # noqa: BLE001  re-raised below; the others hear of it
-                dist.broadcast_object_list([("error", f"{type(err).__name__}: {err}")], src=0)
+                dist.broadcast_object_list([_told(err)], src=0)
                 raise
         dist.broadcast_object_list(box, src=0)
         status, value = box[0]
+        if status == "user":              # e.g. the run folder is locked by another process:
+            raise UserError(value)        # one line and exit 2 on every rank, as on rank 0
+        if status == "write":             # a full disk under rank 0's checkpoint: exit 4 on all
+            raise WriteFailed(value[0], Path(value[1]), value[2])
         if status == "error":
             raise RuntimeError(f"rank 0 failed: {value}")
         return value

@@ -6,6 +6,9 @@
   ``UserError``, so the same one line and exit code.
 * ``Interrupted``: SIGINT / SIGTERM stopped training; carries the checkpoint that was saved. The
   CLI exits ``128 + signal number`` (130 for SIGINT, 143 for SIGTERM), as a shell would.
+* ``WriteFailed``: a file of the run could not be written (a full disk, a quota, a read-only
+  remount); one line naming the file, the last complete checkpoint and how to resume, exit
+  ``EXIT_WRITE`` (4).
 
 Anything else escaping the CLI is a bug and keeps its traceback (exit 1). This module holds only
 types and numbers; the checks live in ``preflight``, ``data`` and ``isolation``.
@@ -19,6 +22,7 @@ from pathlib import Path
 EXIT_OK = 0
 EXIT_BUG = 1  # Python's own status for an uncaught exception
 EXIT_USAGE = 2
+EXIT_WRITE = 4  # a run's file could not be written (disk full...): free space, then --resume
 
 
 class UserError(Exception):
@@ -51,3 +55,20 @@ class RewardFault(Exception):
 
     Internal: the reward layer turns it into ``reward.on_error`` (zero, drop or a RewardError).
     """
+
+
+class WriteFailed(Exception):
+    """A file of a run could not be written: ``what`` (e.g. "the metrics row of step 3"), its
+    ``path`` and the file system's ``reason``. ``after`` is filled in by whoever knows the run
+    (gspo.rundir): its last complete checkpoint and how to continue."""
+
+    exit_code = EXIT_WRITE
+
+    def __init__(self, what: str, path: Path, reason: str):
+        self.what, self.path, self.reason = what, path, reason
+        self.after = ""
+        super().__init__(what, str(path), reason)
+
+    def __str__(self) -> str:
+        line = f"could not write {self.what} ({self.path}): {self.reason}"
+        return f"{line}; {self.after}" if self.after else line

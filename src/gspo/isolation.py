@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gspo import advantages
 from gspo.advantages import group_advantages
 from gspo.errors import RewardError, RewardFault
 from gspo.tasks.base import reward_value
@@ -314,11 +315,18 @@ def masked_group_advantages(rewards: torch.Tensor, group_size: int, *, scale: st
 
 
 def advantages_with_drops(batch, rewards: torch.Tensor, group_size: int, *, scale: str = "group",
-                          eps: float = 1e-6) -> torch.Tensor:
-    """``masked_group_advantages`` [N]; with dropped samples (NaN rewards) also marks them in
+                          eps: float = 1e-6, estimator: str = "group") -> torch.Tensor:
+    """``drop_aware(estimator)`` [N]; with dropped samples (NaN rewards) also marks them in
     ``batch.extras["dropped"]`` [N] bool, which the trainer removes from the loss mask (the
     response mask itself stays as generated)."""
     dropped = ~torch.isfinite(rewards)                                     # [N]
     if bool(dropped.any()):
         batch.extras["dropped"] = dropped
-    return masked_group_advantages(rewards, group_size, scale=scale, eps=eps)
+    return drop_aware(estimator)(rewards, group_size, scale=scale, eps=eps)
+
+
+def drop_aware(estimator: str):
+    """The advantage estimator ``estimator`` reading NaN rewards as dropped samples: the group
+    estimator through ``masked_group_advantages``; the others (gspo.advantages: rloo) are so
+    already."""
+    return masked_group_advantages if estimator == "group" else advantages.get(estimator)

@@ -1,11 +1,19 @@
-"""Metric sinks: one JSON object per step in ``metrics.jsonl``, mirrored to TensorBoard."""
+"""Metric sinks: one JSON object per step in ``metrics.jsonl``, mirrored to TensorBoard.
+
+A row is appended as one whole line; a write that fails part-way (a full disk) is cut back and
+raises ``WriteFailed`` (gspo.storage), so the file never ends in half a row. A line cut short by a
+kill is skipped by ``read_metrics`` and dropped on resume (``truncate_after``).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from pathlib import Path
+
+from gspo.storage import append_line, write_atomic, writing
 
 
 def _clean(value):
@@ -24,9 +32,15 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
+        self._tb_dir = Path(run_dir) / "tb"
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            _quiet_tensorboard_thread()
+            with self._writing_tb():
+                self._tb = SummaryWriter(str(self._tb_dir))
+
+    def _writing_tb(self):
+        return writing("TensorBoard events", self._tb_dir)
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop rows past the checkpoint (and a line cut short by a kill) so the log
@@ -35,30 +49,33 @@ class MetricsWriter:
             return
         rows = [line for line in self.path.read_text().splitlines()
                 if (row := _parse(line)) is not None and row.get("step", -1) <= step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(r + "\n" for r in rows))
-        tmp.replace(self.path)
+        with writing(f"metrics.jsonl cut back to step {step}", self.path):
+            write_atomic(self.path, "".join(r + "\n" for r in rows))
 
     def write(self, row: dict) -> None:
-        with self.path.open("a") as fh:
-            fh.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        with writing(f"the metrics row of step {row.get('step')}", self.path):
+            append_line(self.path, json.dumps({k: _clean(v) for k, v in row.items()}))
         if self._tb is not None:
             step = row["step"]
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            with self._writing_tb():
+                for key, value in row.items():
+                    if key != "step" and isinstance(value, (int, float)) \
+                            and not isinstance(value, bool):
+                        self._tb.add_scalar(key, value, step)
             if time.monotonic() - self._flushed >= self.flush_s:
                 self.flush()
 
     def flush(self) -> None:
         """Write TensorBoard's pending events now."""
         if self._tb is not None:
-            self._tb.flush()
+            with self._writing_tb():
+                self._tb.flush()
         self._flushed = time.monotonic()
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            with self._writing_tb():
+                self._tb.close()
 
 
 class NullWriter:
@@ -75,6 +92,22 @@ class NullWriter:
 
     def close(self) -> None:
         pass
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard writes events in a thread; a failed write (a full disk) there would print a
+    thread traceback, and is raised again by the writer's next call on the main thread (where
+    ``writing`` names it). Keep only the latter: one line instead of a traceback and a line."""
+    previous = threading.excepthook
+    if getattr(previous, "gspo_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not (isinstance(args.exc_value, OSError)
+                and type(args.thread).__module__.startswith("tensorboard.")):
+            previous(args)
+    hook.gspo_tensorboard = True
+    threading.excepthook = hook
 
 
 def _parse(line: str) -> dict | None:

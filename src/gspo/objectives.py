@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "AGGREGATIONS", "LOG_RATIO_LIMIT", "ObjectiveSpec", "aggregate", "available", "get",
-    "kl_k3", "masked_mean", "register", "resolve", "spec",
+    "AGGREGATIONS", "LOG_RATIO_LIMIT", "ObjectiveSpec", "aggregate", "available", "dpo_loss", "get",
+    "kl_k3", "masked_mean", "register", "resolve", "sequence_logprobs", "spec",
 ]
 
 AGGREGATIONS = ("seq-mean", "seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
@@ -67,7 +67,10 @@ class ObjectiveSpec:
     """True when the importance ratio is one number per response (GSPO, GSPO-token, GMPO)."""
     paper: str
     """Citation: arXiv id, equations, where the defaults come from."""
-    equations: str
+    zero_at_zero_advantage: bool = True
+    """Loss and gradient are exactly 0 on a response with Â = 0 (every token, any ratio): the
+    trainer may then skip such rows (``train.skip_zero_advantage``, gspo.plan). False: it never does."""
+    equations: str = ""
     """The loss as implemented, in one line of the docs/math.md notation (what a run's
     provenance.json locks: a change of it is a different objective)."""
 
@@ -75,11 +78,14 @@ class ObjectiveSpec:
 _REGISTRY: dict[str, ObjectiveSpec] = {}
 
 
-def register(name: str, *, sequence_level: bool, paper: str, equations: str | None = None,
-             **defaults: object):
+def register(name: str, *, sequence_level: bool, paper: str, zero_at_zero_advantage: bool = True,
+             equations: str | None = None, **defaults: object):
     """Decorator: register `fn` as `name` with its citation, its loss in one line (`equations`;
     left out: the first line of `fn`'s docstring) and its paper defaults (eps_low, eps_high,
-    aggregation…)."""
+    aggregation…).
+
+    ``zero_at_zero_advantage``: whether the loss is proportional to Â (0 in value and gradient where
+    Â = 0); the row-skipping path reads it from the spec (tests/test_objectives.py checks it)."""
 
     def decorate(fn: Objective) -> Objective:
         params = inspect.signature(fn).parameters.values()
@@ -99,7 +105,8 @@ def register(name: str, *, sequence_level: bool, paper: str, equations: str | No
 
         summary = (inspect.getdoc(fn) or name).splitlines()[0]
         _REGISTRY[name] = ObjectiveSpec(name, with_defaults, MappingProxyType(dict(defaults)),
-                                        sequence_level, paper, equations or summary)
+                                        sequence_level, paper, zero_at_zero_advantage,
+                                        equations or summary)
         return with_defaults
 
     return decorate
@@ -285,17 +292,49 @@ def gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     Defaults: ε_low = 3e-4, ε_high = 4e-4 (§5.1), seq-mean (Eq. 5). advantages: [N].
     Clip stats: every token of a clipped response counts as clipped; ratio stats over s_i.
     """
+    loss_i, stats = _sequence_clipped(logp, old_logp, advantages, mask, eps_low, eps_high)
+    loss = aggregate(loss_i, mask, aggregation, num_seqs=num_seqs, num_tokens=num_tokens,
+                     token_sum_norm=token_sum_norm)
+    return loss, stats
+
+
+def _sequence_clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                      eps_low: float, eps_high: float) -> tuple[Tensor, Stats]:
+    """GSPO's per-response loss ℓ_i = −min(s_i Â_i, clip(s_i) Â_i) [N] (Eq. 5, 7) and its stats."""
     adv = _check(logp, old_logp, advantages, mask, per_token=False)           # [N] Â_i
     log_r = _log_ratio(logp, old_logp, mask)                                  # [N, T] log r_it
     log_s, n_clamped = _guard(masked_mean(log_r, mask, dim=-1))               # [N] log s_i (Eq. 7)
     s = torch.exp(log_s)                                                      # [N] s_i
     s_clip = s.clamp(1 - eps_low, 1 + eps_high)                               # [N] clip(s_i)
     loss_i = -torch.minimum(s * adv, s_clip * adv)                            # [N] ℓ_i (Eq. 5)
-    loss = aggregate(loss_i, mask, aggregation, num_seqs=num_seqs, num_tokens=num_tokens,
-                     token_sum_norm=token_sum_norm)
     low, high = _sign_gated(s, adv, 1 - eps_low, 1 + eps_high)                # [N]
     low, high = low[:, None].expand(mask.shape), high[:, None].expand(mask.shape)  # [N, T]
-    return loss, _stats(s, low, high, log_r, mask, n_clamped)
+    return loss_i, _stats(s, low, high, log_r, mask, n_clamped)
+
+
+@register("luspo", eps_low=3e-4, eps_high=4e-4, aggregation="seq-mean", sequence_level=True,
+          paper="arXiv 2602.05261 (Liu et al., LUSPO): GSPO's per-response loss multiplied by the "
+                "response length |y_i| (equation as read in docs/math.md); ε as GSPO §5.1",
+          equations="ℓ_i = −|y_i| · min(s_i Â_i, clip(s_i, 1−ε_low, 1+ε_high) Â_i), "
+                    "s_i as GSPO")
+def luspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+          eps_low: float, eps_high: float, aggregation: str,
+          num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):
+    """LUSPO: GSPO with each response's loss scaled by its length (arXiv 2602.05261).
+
+    ℓ_i = −|y_i| · min(s_i Â_i, clip(s_i, 1−ε_low, 1+ε_high) Â_i),   s_i as GSPO (Eq. 7)
+    loss = (1/N) Σ_i ℓ_i  (seq-mean)
+    Gradient: every token of an unclipped response gets −s_i Â_i / N on ∇log π_θ, whatever the
+    length (GSPO: −s_i Â_i / (N |y_i|)), so a response's total weight grows with its length, as
+    under token-level GRPO. Zero where Â_i = 0. advantages: [N]. Stats as GSPO (ratio s_i, a
+    clipped response counts all its tokens). The values are per response: a token aggregation
+    broadcasts ℓ_i to its tokens and so weights by |y_i|² (warned for token-mean).
+    """
+    loss_i, stats = _sequence_clipped(logp, old_logp, advantages, mask, eps_low, eps_high)
+    lengths = (mask > 0).sum(-1).to(loss_i.dtype)                             # [N] |y_i|
+    loss = aggregate(lengths * loss_i, mask, aggregation, num_seqs=num_seqs,  # ℓ_i·|y_i|
+                     num_tokens=num_tokens, token_sum_norm=token_sum_norm)
+    return loss, stats
 
 
 @register("gspo_token", eps_low=3e-4, eps_high=4e-4, aggregation="seq-mean-token-mean",
@@ -472,3 +511,35 @@ def gmpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     low, high = _sign_gated(log_r, a, -eps_low, eps_high)                     # [N, T]
     s = torch.exp(_guard(masked_mean(log_r, mask, dim=-1))[0])                # [N] s_i, unclipped
     return loss, _stats(s, low, high, log_r, mask, n_clamped)
+
+
+# ----------------------------------------------------------------------------- DPO (pairs)
+
+def sequence_logprobs(logp: Tensor, mask: Tensor) -> Tensor:
+    """log π(y_i | x) = Σ_t m[i,t] log π(y_it): one number per response, [N] (padding never read)."""
+    lp = logp.to(torch.promote_types(logp.dtype, torch.float32))              # [N, T]
+    return torch.where(mask > 0, lp, torch.zeros_like(lp)).sum(-1)            # [N]
+
+
+def dpo_loss(logp_w: Tensor, logp_l: Tensor, ref_w: Tensor, ref_l: Tensor, *,
+             beta: float) -> tuple[Tensor, Stats]:
+    """DPO on K preference pairs (Rafailov et al., arXiv 2305.18290, Eq. 7): winner w, loser l.
+
+    ρ_w = β (log π_θ(y_w) − log π_ref(y_w)),  ρ_l likewise   (implicit rewards; sequence log-probs)
+    loss = (1/K) Σ_k −log σ(ρ_w,k − ρ_l,k)
+    Gradient: ∂loss/∂log π_θ(y_w) = −β σ(ρ_l − ρ_w) / K = −∂loss/∂log π_θ(y_l). The reference
+    log-probs carry no gradient. All inputs [K]; K = 0 gives loss 0. Stats: mean implicit rewards
+    (`chosen`, `rejected`), their `margin`, and `accuracy` (share of pairs with ρ_w > ρ_l).
+    """
+    if not (logp_w.dim() == 1 and logp_w.shape == logp_l.shape == ref_w.shape == ref_l.shape):
+        raise ValueError("dpo_loss takes four [K] tensors of sequence log-probs; got "
+                         f"{[tuple(x.shape) for x in (logp_w, logp_l, ref_w, ref_l)]}")
+    chosen = beta * (logp_w - ref_w.detach())                                 # [K] ρ_w
+    rejected = beta * (logp_l - ref_l.detach())                               # [K] ρ_l
+    margin = chosen - rejected                                                # [K]
+    k = max(len(margin), 1)
+    loss = -torch.nn.functional.logsigmoid(margin).sum() / k
+    with torch.no_grad():
+        stats = {"chosen": chosen.sum() / k, "rejected": rejected.sum() / k,
+                 "margin": margin.sum() / k, "accuracy": (margin > 0).sum() / k}
+    return loss, stats

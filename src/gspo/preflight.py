@@ -2,9 +2,10 @@
 
 ``check_train(cfg, resume)`` looks at what the config points to: the files it names (task data,
 ``model.path``, reward models), the model architecture (preset overrides, MoE switches), and the
-output folders (a previous run, writable, enough free space for the checkpoints). Data and reward
-code are checked when the ``Trainer`` builds its task and rewards, also before any model, and
-``check_rewards`` scores a few training demonstrations with every reward source.
+output folders (a previous run, writable, enough free space for the checkpoints still to be
+written: on resume those already in the folder count). Data and reward code are checked when the
+``Trainer`` builds its task and rewards, also before any model, and ``check_rewards`` scores a
+few training demonstrations with every reward source.
 ``user_input()`` turns the errors those raise into one-line ``UserError``s: a ValueError or
 OSError *inside* training is a bug and keeps its traceback.
 
@@ -19,6 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from gspo.checkpoint import list_checkpoints
 from gspo.errors import UserError
 
 MB = 1 << 20
@@ -143,13 +145,26 @@ def check_run_dir(cfg, resume: bool) -> None:
     _probe_writable("run.dir", run)
     if cfg.sft.enabled and cfg.sft.steps > 0:
         _probe_writable("sft.cache_dir", Path(cfg.sft.cache_dir))
-    need = checkpoint_bytes(cfg) * (cfg.run.keep_checkpoints + 2) + MIN_FREE_MB * MB
+    check_space(cfg, run, on_disk=len(list_checkpoints(run)) if resume else 0)
+
+
+def checkpoints_to_write(keep: int, on_disk: int) -> int:
+    """How many more checkpoints the folder will hold at its fullest: ``keep`` (or the
+    ``on_disk`` ones, if more) plus the one being written, which is renamed into place before
+    rotation deletes the oldest (gspo.checkpoint), less the ``on_disk`` ones already there."""
+    return max(keep, on_disk) + 1 - on_disk
+
+
+def check_space(cfg, run: Path, on_disk: int) -> None:
+    """Room for the checkpoints still to be written (a resumed run's are there already)."""
+    keep = cfg.run.keep_checkpoints
+    need = checkpoint_bytes(cfg) * checkpoints_to_write(keep, on_disk) + MIN_FREE_MB * MB
     free = shutil.disk_usage(_existing_ancestor(run)).free
     if free < need:
+        there = f", {on_disk} of them already on disk" if on_disk else ""
         raise UserError(f"run.dir: only {free / MB:.0f} MB free on the file system of "
                         f"{str(_existing_ancestor(run))!r}; about {need / MB:.0f} MB are needed "
-                        f"({cfg.run.keep_checkpoints} kept + the final + one being written, "
-                        f"see run.keep_checkpoints)")
+                        f"({keep} kept + one being written{there}, see run.keep_checkpoints)")
 
 
 def check_distributed(cfg, world: int) -> None:

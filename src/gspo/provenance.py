@@ -42,6 +42,7 @@ import transformers
 import gspo
 from gspo import algorithms, objectives
 from gspo.errors import UserError
+from gspo.storage import write_atomic
 
 FILE = "provenance.json"
 FORMAT = 1
@@ -169,8 +170,9 @@ def objective_entry(cfg, algorithm) -> dict:
     """The objective of ``cfg`` (run by ``algorithm``, a ``gspo.algorithms`` instance) as the
     registry defines it, with the hyper-parameters in force."""
     entry = {"name": cfg.objective.name, "algorithm": type(algorithm).__name__}
-    if algorithm.objective is None:   # sft: no policy-gradient loss
-        return {**entry, "registry": None}
+    if algorithm.objective is None:   # sft, dpo: no policy-gradient loss from the registry
+        summary = (type(algorithm).__doc__ or "").strip().splitlines()[:1]
+        return {**entry, "registry": None, "summary": " ".join(summary)}
     spec, o = objectives.spec(algorithm.objective), cfg.objective
     resolved = objectives.resolve(spec.name, eps_low=o.eps_low, eps_high=o.eps_high,
                                   aggregation=o.aggregation, **o.params)
@@ -178,6 +180,15 @@ def objective_entry(cfg, algorithm) -> dict:
             "sequence_level": spec.sequence_level, "defaults": dict(spec.defaults),
             "hyperparameters": resolved, "aggregation": resolved["aggregation"],
             "token_sum_norm": cfg.rollout.max_new_tokens}
+
+
+def advantage_entry(algorithm) -> dict:
+    """The algorithm's ``advantage_estimator()``; one that lacks it is recorded as such."""
+    describe = getattr(algorithm, "advantage_estimator", None)
+    if describe is None:
+        return {"name": "unknown", "formula": f"{type(algorithm).__name__} does not describe its "
+                                              "advantages (gspo.algorithms.Algorithm)"}
+    return describe()
 
 
 def config_sha256(config: dict) -> str:
@@ -199,7 +210,7 @@ def collect(cfg=None, *, command: str, device: str | None = None, world_size: in
         prov.update({
             "hardware": hardware(device or cfg.model.device, cfg.model.dtype, world_size),
             "objective": objective_entry(cfg, algorithm),
-            "advantage": algorithm.advantage_estimator(),
+            "advantage": advantage_entry(algorithm),
             "sampling": {"rollout": {"temperature": r.temperature, "top_p": r.top_p,
                                      "top_k": r.top_k, "max_new_tokens": r.max_new_tokens,
                                      "group_size": r.group_size,
@@ -236,9 +247,7 @@ def write(folder: str | Path, prov: dict, *, resume: bool = False) -> Path:
         history = old.pop("history", [])
         prov = {**prov, "history": [*history, old]}
     path = folder / FILE
-    tmp = path.with_name(f".{FILE}.tmp")
-    tmp.write_text(json.dumps(prov, indent=1, ensure_ascii=False, default=str))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(prov, indent=1, ensure_ascii=False, default=str))
     return path
 
 

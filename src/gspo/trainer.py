@@ -32,7 +32,7 @@ from gspo.audit import Recorder
 from gspo.guard import Guard
 from gspo.isolation import correct_all
 from gspo.errors import Interrupted
-from gspo.checkpoint import load_latest
+from gspo.checkpoint import load_latest, remove_partial
 from gspo.config import TrainConfig, dump_yaml
 from gspo.evaluation import EvalResult, evaluate
 from gspo.metrics import MetricsWriter, NullWriter
@@ -41,7 +41,9 @@ from gspo.optim import build_optimizer, build_scheduler
 from gspo.plan import UpdatePlan, live_rows, plan_update
 from gspo.rewards import build_rewards
 from gspo.rollout import RolloutBatch, SamplingParams, generate
+from gspo.rundir import RunLock
 from gspo.sft import cache_key, cached_checkpoint, save_cold_start, train_sft
+from gspo.storage import write_atomic, writing
 from gspo.timing import PARTS, StepTimer, breakdown
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,7 +83,8 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
                                 progress=progress)
             info = {**info, "sft_steps": cfg.sft.steps, "sft_final_loss": history[-1]["sft/loss"],
                     "sft_seconds": time.time() - t0, "cache_key": key}
-            hit = save_cold_start(model, tokenizer, cfg.sft.cache_dir, key, info)
+            with writing("the cold-start checkpoint", Path(cfg.sft.cache_dir) / key):  # disk full
+                hit = save_cold_start(model, tokenizer, cfg.sft.cache_dir, key, info)
             log(f"cold start: saved {hit}")
         info["checkpoint"] = str(hit)
     return model.to(device), tokenizer, info
@@ -138,6 +141,7 @@ class Trainer:
             self.log = lambda msg: None
         self.progress = cfg.run.progress and sys.stderr.isatty() and self.dist.is_main
         self.resume = resume
+        self.run_lock: RunLock | None = None       # rank 0, from set-up to the end of run()
         self.algorithm = algorithms.get(cfg.objective.name)(cfg)  # group-relative | ppo | sft
         self.spec = objectives.spec(self.algorithm.objective) if self.algorithm.objective else None
         self.objective = self.spec.fn if self.spec else None     # sft: no policy loss
@@ -150,9 +154,7 @@ class Trainer:
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
         cfg = self.cfg
-        self.dist.on_main(lambda: (self._claim_run_dir(), dump_yaml(cfg, self.run_dir / "config.yaml"),
-                                   provenance.write(self.run_dir, self.current_provenance(),
-                                                    resume=self.resume)))
+        self.dist.on_main(lambda: (self._claim_run_dir(), self._write_config()))
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)  # process-wide, before SFT and RL
         self._logging_s = 0.0                       # writing the last metrics row (time/logging_s)
@@ -186,8 +188,20 @@ class Trainer:
         return provenance.collect(self.cfg, command="train", world_size=self.dist.world,
                                   device=str(resolve_device(self.cfg.model.device)))
 
+    def _write_config(self) -> None:
+        with writing("config.yaml", self.run_dir / "config.yaml"):
+            dump_yaml(self.cfg, self.run_dir / "config.yaml")
+        with writing(provenance.FILE, self.run_dir / provenance.FILE):
+            provenance.write(self.run_dir, self.current_provenance(), resume=self.resume)
+
     def _claim_run_dir(self) -> None:
-        """A fresh run never mixes with an old one: refuse, or clear it when run.overwrite is set."""
+        """Lock the folder (one writer at a time, gspo.rundir) and remove what a killed writer
+        left half-written; a fresh run never mixes with an old one: refuse, or clear it when
+        run.overwrite is set."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.run_lock is None or not self.run_lock.held:  # (set up twice: still ours)
+            self.run_lock = RunLock.acquire(self.run_dir, log=self.log)
+        remove_partial(self.run_dir)
         previous = [self.run_dir / n for n in ("metrics.jsonl", "checkpoints", "summary.json", "tb",
                                                "events.jsonl", "audit")]
         previous = [p for p in previous if p.exists()]
@@ -199,7 +213,6 @@ class Trainer:
             self.log(f"run.overwrite: replacing the previous run in {self.run_dir}")
             for p in previous:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def _restore(self) -> None:
         loaded = load_latest(self.run_dir, warn=self.log)
@@ -401,7 +414,8 @@ class Trainer:
         minibatches = self.dist.minibatch_rows(len(advantages), cfg.train.minibatches, gen)  # this rank's
         if not optimize or self.dist.policy is not None:  # fsdp: forwards are collectives, none skipped
             return plan_update(minibatches, None, reuse_first=False)
-        skip = (cfg.train.skip_zero_advantage and self.ref_model is None and cfg.train.entropy_coef == 0
+        skip = (cfg.train.skip_zero_advantage and self.spec.zero_at_zero_advantage  # objective allows it
+                and self.ref_model is None and cfg.train.entropy_coef == 0
                 and cfg.moe.aux_loss_coef == 0 and not self.recorder.due(step))
         live = live_rows(advantages.cpu(), self.loss_mask(batch).cpu()) if skip else None  # [N]
         reuse = (cfg.train.old_logprobs == "recompute" and batch.rollout_logp is None
@@ -622,6 +636,18 @@ class Trainer:
         raise Interrupted(signum, done, self.save(done, self.wall()), self.run_dir)
 
     def run(self) -> dict:
+        """Set up, train, save, evaluate; the run folder's lock is released however it ends."""
+        try:
+            return self._run()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Let another process write this run (a process that ends releases it anyway)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def _run(self) -> dict:
         self.setup()
         cfg, t_start = self.cfg, time.time()
         self.t_start = t_start
@@ -695,7 +721,8 @@ class Trainer:
             "data": getattr(self.task, "data_report", None),  # examples skipped (data.on_error)
         }
         if self.dist.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            with writing("summary.json", self.run_dir / "summary.json"):
+                write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
 
 

@@ -1,0 +1,138 @@
+"""The run folder: one writer at a time, and what a write that failed tells the user.
+
+* ``RunLock``: ``fcntl.flock`` on ``RUN/.gspo.lock``, taken by the process that writes the run
+  (``gspo train``, with ``--resume`` or ``run.overwrite=true`` too) before it changes anything, and
+  held for the run's life. The kernel releases it when the process ends, however it ends (SIGKILL
+  included), so nothing is left to clean up: the file stays, and holds the PID, host and command of
+  its last holder, which a refused writer names. Under torchrun only rank 0 writes the folder, so
+  rank 0 alone takes it (the trainer claims the folder on rank 0). Readers (``gspo report``,
+  ``audit``, ``eval``) never take it: they read a live run.
+* ``write_faults(run_dir)``: around training; a ``WriteFailed`` (gspo.storage), or a storage error
+  about the run that nobody named yet, gets the run's last complete checkpoint and how to resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from gspo.checkpoint import PREFIX, list_checkpoints
+from gspo.errors import UserError, WriteFailed
+from gspo.storage import STORAGE_ERRNOS, reason
+
+LOCK_FILE = ".gspo.lock"
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held while this object's file is open."""
+
+    def __init__(self, path: Path, fh):
+        self.path, self._fh = path, fh
+
+    @classmethod
+    def acquire(cls, run_dir: str | Path, log=None) -> "RunLock":
+        """Take the lock of ``run_dir`` (which exists) or raise UserError naming its holder."""
+        path = Path(run_dir) / LOCK_FILE
+        fh = open(path, "a+")             # never truncated before it is ours: it names the holder
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = describe_holder(fh.read())
+            fh.close()
+            raise UserError(f"run.dir {run_dir} is in use by {holder}: one process writes a run "
+                            f"at a time; wait for it to end or stop it (a stopped or killed run "
+                            f"releases it), or choose another run.dir") from None
+        except OSError as err:            # a file system without flock (some network mounts)
+            fh.close()
+            if log is not None:
+                log(f"run.dir {run_dir}: cannot lock {path} ({err.strerror}); nothing stops a "
+                    f"second process from writing this run")
+            return cls(path, None)
+        with contextlib.suppress(OSError):  # a full disk: the lock holds without its label
+            fh.seek(0)
+            fh.truncate()
+            fh.write(json.dumps(holder_info()))
+            fh.flush()
+        return cls(path, fh)
+
+    @property
+    def held(self) -> bool:
+        return self._fh is not None
+
+    def release(self) -> None:
+        """Closing the file releases the lock (as the process's end would)."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def holder_info() -> dict:
+    """What a refused writer is told about this process."""
+    program = Path(sys.argv[0]).name
+    program = "gspo" if program in ("__main__.py", "gspo") else program  # python -m gspo
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "command": " ".join([program, *sys.argv[1:]]),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def describe_holder(text: str) -> str:
+    """'PID 123 on host (gspo train --resume runs/a, since ...)' from the lock file's text."""
+    try:
+        info = json.loads(text)
+        return (f"PID {info['pid']} on {info['host']} ({info['command']}, since "
+                f"{info['since']})")
+    except (ValueError, KeyError, TypeError):   # taken an instant ago, not labelled yet
+        return "another process"
+
+
+# ------------------------------------------------------------------------------ write faults
+def checkpoint_step(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
+
+
+def resume_hint(run_dir: str | Path) -> str:
+    """The last complete checkpoint of the run and the command that continues it."""
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        return "nothing of the run was saved yet: free space, then start it again"
+    done = list_checkpoints(run)          # renamed into place only once whole (gspo.checkpoint)
+    where = (f"the last complete checkpoint is {done[-1]} (step {checkpoint_step(done[-1])})"
+             if done else "no checkpoint is complete yet (a resume starts again from step 0)")
+    return f"{where}; free space, then continue with: gspo train --resume {run}"
+
+
+def about_run(err: OSError, run_dir: Path) -> bool:
+    """Whether ``err`` is the storage failing, or any failure to write a file of the run."""
+    if err.errno in STORAGE_ERRNOS:
+        return True
+    name = err.filename
+    return name is not None and Path(os.fsdecode(name)).absolute().is_relative_to(
+        run_dir.absolute())
+
+
+@contextlib.contextmanager
+def write_faults(run_dir: str | Path, after: str | None = None) -> Iterator[None]:
+    """Within: a failed write of the run raises ``WriteFailed`` saying what ``after`` says (by
+    default, the last complete checkpoint and the resume command)."""
+    run = Path(run_dir)
+    try:
+        yield
+    except WriteFailed as err:
+        err.after = after or resume_hint(run)
+        raise
+    except OSError as err:
+        if not about_run(err, run):
+            raise
+        fault = WriteFailed("a file of the run", Path(os.fsdecode(err.filename or run)),
+                            reason(err))
+        fault.after = after or resume_hint(run)
+        raise fault from err
+
