@@ -46,8 +46,8 @@ from gspo.storage import write_atomic
 
 FILE = "provenance.json"
 FORMAT = 1
-LIBRARIES = ("transformers", "tokenizers", "safetensors", "pydantic", "peft", "vllm")
-"""Recorded by installed version (null when not installed); torch from torch.__version__."""
+LIBRARIES = ("tokenizers", "safetensors", "pydantic", "peft", "vllm")
+"""Recorded by installed version (null when not installed); torch and transformers as imported."""
 PACKAGE_DIR = Path(gspo.__file__).resolve().parent
 GIT_TIMEOUT_S = 10.0
 
@@ -136,12 +136,10 @@ def _version(name: str) -> str | None:
 def libraries() -> dict:
     """Python and library versions; CUDA / cuDNN as torch was built with them."""
     out = {"python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "cudnn": None}
+           "transformers": transformers.__version__, "cuda": torch.version.cuda, "cudnn": None}
     if torch.backends.cudnn.is_available():
         out["cudnn"] = torch.backends.cudnn.version()
-    out.update({name: _version(name) for name in LIBRARIES})
-    out["transformers"] = transformers.__version__
-    return out
+    return {**out, **{name: _version(name) for name in LIBRARIES}}
 
 
 def cpu_model() -> str:
