@@ -36,10 +36,12 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _config(args, default: str | None = None):
-    from gspo.config import load_config
-    path = args.config if args.config else default
-    return load_config(path, args.overrides)
+def command_config(args):
+    """The config file given, else the main job shipped in the package (gspo/configs/default.yaml),
+    with the overrides applied. (The code defaults of ``TrainConfig`` are only the base that every
+    file overrides; the command line never runs them bare.)"""
+    from gspo.config import load_config, shipped_config
+    return load_config(args.config or shipped_config(), args.overrides)
 
 
 def _warn(message: str) -> None:
@@ -53,7 +55,7 @@ def _provenance(cfg, command: str):
     return provenance.collect(cfg, command=command, device=str(resolve_device(cfg.model.device)))
 
 
-def _split_config_and_overrides(args) -> None:
+def split_config_and_overrides(args) -> None:
     """`gspo train a.yaml k=v` and `gspo train k=v` both work: the config is the arg without '='."""
     items = ([args.config] if args.config else []) + list(args.overrides)
     configs = [x for x in items if "=" not in x]
@@ -78,7 +80,7 @@ def cmd_train(args) -> int:
             if not run_cfg.is_file():
                 raise UserError(f"--resume {args.resume}: no config.yaml (not a gspo run folder)")
             args.config = str(run_cfg)
-        cfg = _config(args)
+        cfg = command_config(args)
         if args.resume:
             cfg.run.dir = args.resume
         check_train(cfg, resume=bool(args.resume))
@@ -121,7 +123,7 @@ def cmd_sft(args) -> int:
     from gspo.preflight import check_files, check_model, user_input
     from gspo.trainer import build_task, initial_policy
     with user_input():
-        cfg = _config(args)
+        cfg = command_config(args)
         check_files(cfg)
         check_model(cfg)
         task = build_task(cfg)
@@ -144,13 +146,13 @@ def cmd_eval(args) -> int:
     from gspo.data import eval_examples
     from gspo.trainer import DTYPES, build_task, resolve_device
     with user_input():
-        cfg = _config(args)
+        cfg = command_config(args)
         check_checkpoint("--checkpoint", args.checkpoint)
         task = build_task(cfg)
         prov = _provenance(cfg, "eval")
         if args.out:
             provenance.write(args.out, prov)
-    model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype])
+    model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype], key="--checkpoint")
     model.to(resolve_device(cfg.model.device))
     tests = eval_examples(task, cfg)
     result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -206,7 +208,8 @@ def cmd_report(args) -> int:
 
 # --------------------------------------------------------------------------------- parser
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
+    p.add_argument("config", nargs="?", help="YAML config (default: the main job, "
+                   "the package's copy of configs/default.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 seed=1")
 
 
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         if hasattr(args, "overrides"):
-            _split_config_and_overrides(args)
+            split_config_and_overrides(args)
         return args.fn(args)
     except _user_errors() as err:
         print(f"gspo: error: {err}", file=sys.stderr)

@@ -4,6 +4,9 @@ One pydantic model per command (``TrainConfig`` for ``gspo train``; ``gspo sft``
 ``gspo eval`` read the same sections). Every field carries a docstring, unknown keys are errors
 with a "did you mean", and all of it is checked before any model is built.
 ``ConfigError`` carries a one-line, user-facing message; the CLI prints it and exits 2.
+The field defaults are the base every config file overrides, not a job of their own: the main
+job is ``configs/default.yaml``, shipped in the package (``shipped_config()``), which ``gspo train``
+/ ``sft`` / ``eval`` read when no config file is given.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import difflib
 import hashlib
 import json
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -541,6 +545,13 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], source
         return f"{source}: {msg}"
     got = first.get("input")
     return f"{source}: {key}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})")
+
+
+def shipped_config(name: str = "default.yaml") -> Path:
+    """A config file inside the installed package (``gspo/configs/<name>``, a byte copy of the
+    repository's ``configs/<name>``). ``default.yaml`` is the main job: what ``gspo train``,
+    ``gspo sft`` and ``gspo eval`` read when no config file is given, also outside the repository."""
+    return Path(str(resources.files("gspo") / "configs" / name))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),

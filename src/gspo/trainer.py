@@ -64,7 +64,7 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
     """The policy RL starts from: model.path, or a preset cold-started by SFT (cached)."""
     dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
     if cfg.model.path:
-        model, tokenizer = load_model(cfg.model.path, dtype)
+        model, tokenizer = load_model(cfg.model.path, dtype, key="model.path")
     else:
         model, tokenizer = build_model(cfg.model.preset, cfg.seed, cfg.model.overrides, dtype)
     info: dict = {"source": cfg.model.path or f"preset:{cfg.model.preset}"}
