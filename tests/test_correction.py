@@ -140,7 +140,8 @@ def corrected_grad(name, objective, params, aggregation):
     old, roll, mask = example()
     out = correction.spec(name).fn(old, roll, mask, **params)
     logp = old.clone().requires_grad_()
-    adv = weighted_advantages(A, out.weight, correction.spec(name).per_token)
+    per_row = objectives.spec(objective).sequence_level
+    adv = weighted_advantages(A, out.weight, mask, per_row=per_row)
     loss, _ = objectives.get(objective)(logp, old, adv, mask * out.mask, aggregation=aggregation)
     (g,) = torch.autograd.grad(loss, logp)
     return g * mask
@@ -175,13 +176,24 @@ def test_seq_mask_gradient_of_gspo_seq_mean():
     assert torch.allclose(g, torch.tensor(expect, dtype=F64), rtol=0, atol=1e-12)
 
 
+def test_tis_gradient_of_gspo_is_the_token_weighted_sequence_loss():
+    # GSPO's token loss is its sequence loss ℓ_i at every token, so Σ_t w_t ℓ_i / |y_i| = w̄_i ℓ_i:
+    # w̄_0 = (0.4 + 1.25 + 2)/3, w̄_1 = (1 + 1.5)/2 and ∂/∂logp_t = −w̄_i Â_i / (2 |y_i|)
+    g = corrected_grad("tis", "gspo", {"cap": 2.0}, "seq-mean")
+    w0, w1 = (0.4 + 1.25 + 2.0) / 3, 1.25
+    expect = [[-w0 / 6] * 3, [w1 * 2 / 4, w1 * 2 / 4, 0.0]]
+    assert torch.allclose(g, torch.tensor(expect, dtype=F64), rtol=0, atol=1e-12)
+
+
 def test_weighted_advantages_shapes():
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=F64)
     w_row = torch.tensor([[2.0, 2.0], [0.5, 0.5]], dtype=F64)
-    assert weighted_advantages(A, w_row, per_token=False).tolist() == [2.0, -1.0]      # stays [N]
+    assert weighted_advantages(A, w_row, mask, per_row=True).tolist() == [2.0, -1.0]   # stays [N]
     w_tok = torch.tensor([[2.0, 1.0], [0.5, 3.0]], dtype=F64)
-    assert weighted_advantages(A, w_tok, per_token=True).tolist() == [[2.0, 1.0], [-1.0, -6.0]]
+    assert weighted_advantages(A, w_tok, mask, per_row=False).tolist() == [[2.0, 1.0], [-1.0, -6.0]]
+    assert weighted_advantages(A, w_tok, mask, per_row=True).tolist() == [1.5, -1.0]  # row means
     adv_t = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=F64)                    # ppo: [N, T]
-    assert weighted_advantages(adv_t, w_row, per_token=False).tolist() == [[2.0, 4.0], [1.5, 2.0]]
+    assert weighted_advantages(adv_t, w_row, mask, per_row=False).tolist() == [[2.0, 4.0], [1.5, 2.0]]
 
 
 @pytest.mark.parametrize("name", objectives.available())

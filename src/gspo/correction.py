@@ -62,8 +62,8 @@ class CorrectionSpec:
     defaults: Mapping[str, float]
     """Its parameters and their defaults (cap | low, high)."""
     per_token: bool
-    """True when the weight varies along a response (a token-level weight): it can only scale
-    per-token advantages, so objectives with one ratio per response (GSPO, GMPO) cannot take it."""
+    """True when the weight varies along a response (a token-level weight; an objective with one
+    ratio per response takes its mean over the response, see `weighted_advantages`)."""
 
 
 _REGISTRY: dict[str, CorrectionSpec] = {}
@@ -192,13 +192,16 @@ def seq_mask(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, low: float
 
 # ----------------------------------------------------------------------------- applying one
 
-def weighted_advantages(advantages: Tensor, weight: Tensor, per_token: bool) -> Tensor:
-    """Advantages scaled by the correction's weight: [N] stays [N] (a per-row weight), else [N, T].
+def weighted_advantages(advantages: Tensor, weight: Tensor, mask: Tensor, *, per_row: bool) -> Tensor:
+    """Advantages scaled by the correction's weight, which weights each token's loss by it.
 
     Every registered objective's per-token loss is positively homogeneous in Â (ℓ(wÂ) = w·ℓ(Â)
-    for w ≥ 0: the clipped surrogates, SAPO's gate, CISPO's and GMPO's), so scaling Â by w is the
-    same as weighting the token's loss by w (docs/math.md)."""
-    if advantages.dim() == 1 and not per_token:
-        return advantages * weight[:, 0].to(advantages.dtype)                 # [N]
+    for w ≥ 0: the clipped surrogates, SAPO's gate, CISPO's, GMPO's), so scaling Â by w is the
+    same as weighting the loss by w. ``per_row`` (an objective with one ratio per response, whose
+    advantages are [N]): the row's loss ℓ_i is the same at each of its tokens, so Σ_t w_t ℓ_i / |y_i|
+    = w̄_i ℓ_i with w̄_i the mean weight over the row's tokens of ``mask`` [N, T]: Â_i · w̄_i, [N].
+    Otherwise Â [N] or [N, T] times w: [N, T]."""
+    if per_row and advantages.dim() == 1:
+        return advantages * masked_mean(weight, mask, dim=-1).to(advantages.dtype)   # [N]
     adv = advantages if advantages.dim() == 2 else advantages[:, None]       # [N, T] | [N, 1]
     return adv * weight.to(advantages.dtype)                                  # [N, T]
