@@ -71,6 +71,10 @@ def test_registry_and_refusals(policy):
     assert engines.available() == ["hf", "vllm"]
     with pytest.raises(engines.EngineUnavailable, match="unknown engine 'vlm'; valid: hf, vllm"):
         engines.build("vlm", model, tok)
+    moe, moe_tok = build_model("tiny-moe", 0)
+    with pytest.raises(engines.EngineUnavailable, match="cannot serve a qwen3_moe model: vLLM's") as err:
+        engines.build("vllm", moe, moe_tok)
+    assert "\n" not in str(err.value)
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(engines.EngineUnavailable, match="needs the 'vllm' package") as err:
             engines.build("vllm", model, tok)

@@ -6,6 +6,10 @@ builds .venv-vllm with the CPU build and runs this file there).
 * after the policy's weights move and are synced in place, vLLM's sampling log-probs of a sampled
   batch equal the trainer's recomputation (gspo.logprobs) to 1e-5 in float32;
 * sampling is reproducible for a seed (and another seed samples differently).
+
+vLLM sets up its parallel state once per process, for the first model's architecture: a MoE
+engine cannot be built after a dense one. tiny-moe is therefore in test_vllm_moe.py, which
+`make test-vllm` runs in a pytest process of its own.
 """
 
 import pytest
@@ -24,12 +28,15 @@ PROMPTS = ["S 4 7 3:", "S 1 2:", "S 9 9 9 9:", "S 5:", "S 2 8 1 6 3:", "S 7 7:",
 G, NEW = 4, 12
 
 
+EOS_SCALE = {"tiny-dense": 6.0, "tiny-moe": 2.0}   # greedy then ends early in some rows, not all
+
+
 def eos_prone(preset: str):
     """A preset whose EOS row of the (tied) embedding is scaled up: its logit dominates wherever the
     hidden state points its way, so greedy and sampled responses end at EOS in some rows."""
     model, tok = build_model(preset, 0)
     with torch.no_grad():
-        model.get_input_embeddings().weight[tok.eos_token_id] *= 6.0
+        model.get_input_embeddings().weight[tok.eos_token_id] *= EOS_SCALE[preset]
     return model.eval(), tok
 
 
@@ -49,7 +56,8 @@ def test_greedy_tokens_equal_transformers(dense):
     greedy = SamplingParams(max_new_tokens=NEW, greedy=True)
     ours = engine.generate(ids_of(tok), 1, greedy, with_logprobs=False)
     ref = engines.build("hf", model, tok).generate(ids_of(tok), 1, greedy, with_logprobs=False)
-    assert ref.response_mask.sum(-1).min() < NEW, "no row ended at EOS: the mask is not exercised"
+    lengths = ref.response_mask.sum(-1)
+    assert ref.truncated.any() and (lengths[~ref.truncated] > 1).any(), "EOS cases not exercised"
     assert ours.truncated.tolist() == ref.truncated.tolist()
     assert torch.equal(ours.response_mask, ref.response_mask)
     assert torch.equal(ours.response_ids, ref.response_ids)
@@ -92,3 +100,4 @@ def test_sampling_is_reproducible_for_a_seed(dense):
     assert not torch.equal(a.response_ids, c.response_ids)
     rows = a.response_ids.view(len(PROMPTS), G, -1)
     assert any(not torch.equal(r[0], r[1]) for r in rows)     # the G samples of a prompt differ
+
