@@ -26,7 +26,12 @@ from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.core_model_loading import revert_weight_conversion
+
+try:  # transformers 5 keeps some weights in fused in-memory layouts (a MoE's experts)
+    from transformers.core_model_loading import revert_weight_conversion
+except ImportError:  # transformers 4: the in-memory layout is the checkpoint's
+    def revert_weight_conversion(model, state_dict):
+        return state_dict
 
 from gspo.errors import UserError
 from gspo.models import save_model
