@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gspo import algorithms, correction, data, diagnostics, distributed, moe, objectives, tasks
+from gspo import algorithms, correction, data, diagnostics, distributed, engines, moe, objectives, tasks
 from gspo.audit import Recorder
 from gspo.guard import Guard
 from gspo.isolation import correct_all
@@ -146,7 +146,7 @@ class Trainer:
         self.rewards = build_rewards([r.model_dump() for r in cfg.rewards], self.task, policy=cfg.reward)
         self.sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                        cfg.rollout.top_p, cfg.rollout.top_k)
-        self.sampler_copy = None                  # rollout.dtype: the policy's copy that samples
+        self.sampler_engine = None                # hf engine: the policy, or its rollout.dtype copy
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -278,16 +278,15 @@ class Trainer:
         return batch
 
     def sampler(self):
-        """The model that samples: the policy, or (rollout.dtype) its copy in that dtype with the
-        policy's current weights copied in."""
-        dtype = self.cfg.rollout.dtype
-        if dtype == "model" or DTYPES[dtype] == next(self.model.parameters()).dtype:
-            return self.model
-        if self.sampler_copy is None:
-            self.sampler_copy = copy.deepcopy(self.model).to(DTYPES[dtype]).requires_grad_(False)
+        """The model that samples, with the policy's current weights: the policy itself, or (rollout.dtype)
+        the hf engine's copy of it in that dtype."""
+        if self.sampler_engine is None:
+            dtype = self.cfg.rollout.dtype
+            self.sampler_engine = engines.build("hf", self.model, self.tokenizer,
+                                                dtype=None if dtype == "model" else DTYPES[dtype])
         else:
-            self.sampler_copy.load_state_dict(self.model.state_dict())   # cast into the copy's dtype
-        return self.sampler_copy
+            self.sampler_engine.sync_weights(self.model)
+        return self.sampler_engine.model
 
     def routing_context(self, batch: RolloutBatch, keep_logits: bool = False):
         """Replay the batch's stored experts when configured, else just capture (MoE) or nothing."""
