@@ -16,8 +16,10 @@ def run_row(make_cfg, reward_module, *overrides, run="run"):
     return read_metrics(cfg.run.dir)[1]
 
 
-def test_same_precision_sampler_has_no_mismatch(make_cfg, reward_module):
-    row = run_row(make_cfg, reward_module, "train.rollout_correction.mode=tis")
+@pytest.mark.parametrize("objective", ["gspo", "grpo"])   # advantages [N] (row mean) | [N, T]
+def test_same_precision_sampler_has_no_mismatch(make_cfg, reward_module, objective):
+    row = run_row(make_cfg, reward_module, "train.rollout_correction.mode=tis",
+                  f"objective.name={objective}")
     assert 0 <= row["mismatch/kl"] < 1e-8
     assert row["mismatch/ratio_min"] == pytest.approx(1, abs=1e-3)
     assert row["mismatch/ratio_max"] == pytest.approx(1, abs=1e-3)
@@ -53,4 +55,6 @@ def test_config_refusals():
         load_config(None, ["train.rollout_correction.mode=seqtis"])
     with pytest.raises(ConfigError, match="moe.routing_replay=rollout cannot capture"):
         load_config(None, ["model.preset=tiny-moe", "moe.routing_replay=rollout", "rollout.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="gspo audit. does not re-derive yet: use audit.every=0"):
+        load_config(None, ["train.rollout_correction.mode=seq_tis", "audit.every=1"])
     assert load_config(None, []).train.rollout_correction.mode == "none"

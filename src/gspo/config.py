@@ -463,6 +463,9 @@ class TrainConfig(Section):
         if mode != "none" and self.train.old_logprobs != "recompute":
             raise ValueError(f"train.rollout_correction.mode={mode} weighs the trainer's π_old against the "
                              f"sampler's log-probs: it needs train.old_logprobs=recompute")
+        if mode != "none" and self.audit.every:
+            raise ValueError(f"train.rollout_correction.mode={mode} changes the loss mask and advantages, "
+                             f"which `gspo audit` does not re-derive yet: use audit.every=0")
 
     @property
     def batch_size(self) -> int:
