@@ -94,6 +94,8 @@ def test_sampling_is_reproducible_for_a_seed(dense):
     _, tok, engine = dense
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0)
     a = engine.generate(ids_of(tok), G, params, seed=11)
+    engine.sleep()                                            # a no-op on a CPU
+    engine.wake_up()
     b = engine.generate(ids_of(tok), G, params, seed=11)
     c = engine.generate(ids_of(tok), G, params, seed=12)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp, b.logp)

@@ -193,6 +193,7 @@ class VLLMEngine(Engine):
                             enforce_eager=True, max_model_len=max_model_len,
                             logprobs_mode="processed_logprobs",   # after temperature, as the trainer's
                             **gpu, **llm_options)
+        self.can_sleep = on_gpu and enable_sleep_mode
         self.sleeping = False
 
     def sync_weights(self, model: PreTrainedModel) -> None:
@@ -200,14 +201,15 @@ class VLLMEngine(Engine):
         self.llm.reset_prefix_cache()        # cached prompt KV was computed with the old weights
 
     def sleep(self) -> None:
-        if not self.sleeping and self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
+        if self.can_sleep and not self.sleeping:
             self.llm.sleep(level=1)
             self.sleeping = True
 
     def wake_up(self) -> None:
         if self.sleeping:
             self.llm.wake_up()
-            self.sleeping = False
+            self.can_sleep = on_gpu and enable_sleep_mode
+        self.sleeping = False
 
     def sampling_params(self, params: SamplingParams, group_size: int, seed: int | None,
                         with_logprobs: bool):
