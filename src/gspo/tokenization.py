@@ -108,8 +108,8 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
         [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}], tokenize=False)
     after = text[text.rindex(marker) + len(marker):]
     ids = tokenizer(after, add_special_tokens=False)["input_ids"]
-    special = set(tokenizer.all_special_ids) | {
-        i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special = (set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special}) - {tokenizer.unk_token_id}
     if ids and ids[0] in special:
         return ids[0]
     if tokenizer.eos_token_id is None:
