@@ -9,7 +9,7 @@ only, nothing is downloaded). `columns` names the file's column for each field:
   with at least one user turn; rendered with the chat template (needs `task.chat: true`). A final
   assistant turn is the demonstration answer when the row has no answer column;
 * `answer`: the reference answer, a string (numbers, as CSV and parquet may store them, are
-  written out as text). It is the SFT demonstration and what the `math` verifier compares with.
+  written out as text, a whole float as an integer). It is the SFT demonstration and what the `math` verifier compares with.
 
 A field not in `columns` uses its own name. Every other column goes to `Example.data` (reward
 functions get them as keywords). A missing column is an error of the whole file; a bad row
@@ -86,6 +86,10 @@ def column_names(file: str, names: list[str], columns: dict[str, str], chat: boo
 
 
 def _text(value: Any, field: str) -> str:
+    """A string field; a number (CSV and parquet columns are typed) written out, a whole float
+    as an integer (a column of 4 and 0.5 is read as 4.0 and 0.5)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str):
