@@ -11,7 +11,8 @@ from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gspo import tasks
-from gspo.chat import ChatTask, conversation, message_problem
+from gspo.chat import ChatTask, conversation
+from gspo.tasks.base import message_problem
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
 from gspo.models import build_char_tokenizer, build_model

@@ -27,9 +27,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from gspo.chat import message_problem
 from gspo.optional import require
-from gspo.tasks.base import Example, TaskDataError, pick_split, register, to_reward
+from gspo.tasks.base import Example, TaskDataError, message_problem, pick_split, register, to_reward
 from gspo.tasks.custom import RESERVED, reward_function
 from gspo.verifiers import math_equal, math_verify
 
