@@ -184,3 +184,29 @@ def test_model_path_without_template_under_chat_is_one_line_exit_2(capsys, tmp_p
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "task.chat: true: the tokenizer has no chat template (model.path" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_model_path_base_tokenizer_gets_the_end_of_turn_as_eos(tmp_path, bpe, make_cfg, reward_module):
+    """A Qwen-base-like checkpoint (EOS <|endoftext|>, ChatML template): under task.chat the run's
+    EOS is <|im_end|>, in the trainer, in rollouts and in the checkpoints it writes."""
+    from conftest import parity_rewards
+    from gspo.models import save_model
+    from gspo.trainer import Trainer
+    base = PreTrainedTokenizerFast(tokenizer_object=bpe.backend_tokenizer, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", chat_template=bpe.chat_template,
+                                   padding_side="left")
+    model, _ = build_model("tiny-dense", 0, tokenizer=base)
+    save_model(model, base, tmp_path / "base")
+    trainer = Trainer(make_cfg(f"model.path={tmp_path / 'base'}", "task.chat=true", "sft.enabled=false",
+                               parity_rewards(reward_module)), log=lambda m: None)
+    trainer.setup()
+    eot = bpe.convert_tokens_to_ids(IM_END)
+    assert trainer.tokenizer.eos_token_id == eot and trainer.tokenizer.pad_token == "<|endoftext|>"
+    assert trainer.train_set[0].prompt.startswith(f"{IM_START}user\n")
+    batch = trainer.generate(trainer.train_set[:2], seed=0)
+    for row, mask, truncated in zip(batch.response_ids, batch.response_mask, batch.truncated):
+        n = int(mask.sum())
+        assert truncated or (row[n - 1] == eot and eot not in row[:n - 1].tolist())
+    trainer.run()
+    saved = AutoTokenizer.from_pretrained(trainer.run_dir / "checkpoints" / "step_000002")
+    assert saved.eos_token == IM_END
