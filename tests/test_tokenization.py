@@ -34,15 +34,15 @@ def _tokenizer_hash(out) -> str:
     return hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
 
 
+DETERMINISM_TEXTS = ["user\nhow many apples are there?", "assistant\nthere are 12 apples"] * 9
 BUILD = ("import sys; from gspo.tokenization import build_bpe_tokenizer; "
-         "texts = ['user\\nhow many apples are there?', 'assistant\\nthere are 12 apples'] * 9; "
-         "build_bpe_tokenizer(texts, 300).save_pretrained(sys.argv[1])")
+         f"build_bpe_tokenizer({DETERMINISM_TEXTS!r}, 300).save_pretrained(sys.argv[1])")
 
 
 def test_bpe_is_deterministic_across_processes(tmp_path):
     """Rust hash maps are seeded per process: the same text must still give the same file."""
     subprocess.run([sys.executable, "-c", BUILD, str(tmp_path / "a")], check=True)
-    exec(BUILD.replace("sys.argv[1]", repr(str(tmp_path / "b"))))
+    build_bpe_tokenizer(DETERMINISM_TEXTS, 300).save_pretrained(tmp_path / "b")
     assert _tokenizer_hash(tmp_path / "a") == _tokenizer_hash(tmp_path / "b")
 
 
