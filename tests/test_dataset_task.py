@@ -12,6 +12,8 @@ from gspo import tasks
 from gspo.cli import main
 from gspo.tasks import TaskDataError
 
+# several tests read one file as both splits, on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:dataset task.*appear in both:UserWarning")
 datasets.disable_progress_bars()  # imported before gspo.cli could turn them off (as it does for a run)
 
 ROWS = [{"question": "Tom has 3 apples and buys 4 more. How many apples?", "solution": "3 + 4 = 7\n#### 7",
