@@ -117,8 +117,8 @@ def test_build_rewards_from_specs(reward_mod, arithmetic):
 
 
 def test_build_rewards_errors(arithmetic):
-    assert rewards.source_types() == ["function", "model", "verifier"]
-    valid = "valid types: function, model, verifier"
+    assert rewards.source_types() == ["function", "math", "model", "think_format", "verifier"]
+    valid = "valid types: function, math, model, think_format, verifier"
     with pytest.raises(ValueError, match=rf"rewards\[0\]: unknown reward type 'llm'; {valid}"):
         build_rewards([{"type": "llm"}], arithmetic)
     with pytest.raises(ValueError, match=r"rewards\[1\]: unknown reward type None"):

@@ -31,6 +31,7 @@ def _user_errors():
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # task.name=dataset reads files
     import transformers
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

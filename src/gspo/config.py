@@ -69,6 +69,10 @@ class ModelConfig(Section):
     """A local transformers causal-LM checkpoint to start from instead of a preset."""
     overrides: dict[str, Any] = {}
     """Fields set on the preset's transformers config (e.g. {num_hidden_layers: 2})."""
+    tokenizer: Literal["char", "bpe"] = "char"
+    """Tokenizer of a preset (model.path brings its own): char (one token per ASCII character, no chat template) | bpe (byte-level BPE trained on the task's training text, Qwen-style: <|im_start|>/<|im_end|> ChatML template, <|im_end|> the EOS; docs/real-models.md)."""
+    tokenizer_vocab: int = Field(4096, ge=300)
+    """bpe: the most tokens it may have (256 bytes + special tokens + merges); a small corpus stops earlier."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype. Log-ratios are always computed in float32."""
     device: str = "auto"
@@ -83,7 +87,7 @@ class ModelConfig(Section):
 
 class TaskConfig(Section):
     name: str = "arithmetic"
-    """Task from the registry (gspo.tasks.available()), or 'custom' for JSONL + reward function."""
+    """Task from the registry (gspo.tasks.available()), or 'custom' for JSONL + reward function, or 'dataset' for JSONL / JSON / parquet / CSV / arrow files read with Hugging Face datasets (docs/real-models.md)."""
     n_train: int | None = Field(None, ge=1)
     """Training prompts to generate (built-in tasks; None: the task's default)."""
     n_test: int | None = Field(None, ge=1)
@@ -93,15 +97,29 @@ class TaskConfig(Section):
     params: dict[str, Any] = {}
     """Task-specific generator options (e.g. {max_digits: 2} for arithmetic)."""
     train_file: str | None = None
-    """custom task: JSONL file with 'prompt' and 'answer' per row (and any other columns)."""
+    """custom task: JSONL file with 'prompt' and 'answer' per row (and any other columns). dataset task: a .jsonl / .json / .parquet / .csv / .arrow file, columns named by task.columns."""
     test_file: str | None = None
-    """custom task: held-out JSONL file, same format."""
+    """custom / dataset task: held-out file, same format."""
     validation_file: str | None = None
-    """custom task: optional validation JSONL file, same format (needed for eval.split=validation)."""
+    """custom / dataset task: optional validation file, same format (needed for eval.split=validation)."""
     reward: str | None = None
-    """custom task: reward function as 'module:function', called fn(completion, **row) -> float."""
+    """custom task: reward function as 'module:function', called fn(completion, **row) -> float. dataset task: the same, optional (default: 1 when the final answer equals the answer column by value, math-verify)."""
     correct_threshold: float = 1.0
     """custom task: a completion counts as correct when its reward is at least this."""
+    columns: dict[str, str] = {}
+    """dataset task: which column of the files holds each field, e.g. {prompt: question, answer: solution} (fields: prompt, messages, answer; unset fields use their own name)."""
+    chat: bool = False
+    """Render prompts with the tokenizer's chat template (add_generation_prompt): the row's messages, or its prompt as one user turn. The template's end-of-turn token (e.g. <|im_end|>) becomes EOS for generation, the response mask and decoding. Needs a tokenizer with a chat template (model.tokenizer=bpe, or a model.path that has one)."""
+    system_prompt: str | None = None
+    """chat: a system turn put before every conversation that has none."""
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, columns: dict) -> dict:
+        from gspo.tasks.dataset import FIELDS
+        for key in columns:
+            one_of("task.columns field", key, list(FIELDS))
+        return columns
 
     @field_validator("name")
     @classmethod
@@ -112,7 +130,7 @@ class TaskConfig(Section):
 
 class RewardSpec(Section):
     type: str = "verifier"
-    """Reward source: verifier (the task's) | function (module:function) | model (local reward model)."""
+    """Reward source: verifier (the task's) | function (module:function) | model (local reward model) | math (final answer equal by value, math-verify) | think_format (<think>...</think> answer layout)."""
     weight: float = 1.0
     """Weight of this source in the summed reward."""
     fn: str | None = None
@@ -501,10 +519,14 @@ class TrainConfig(Section):
         if self.train.beta == 0 and any(r.kind == "kl_ref" for r in self.guard.rules):
             raise ValueError("guard rule kl_ref watches the KL to the reference policy: it needs "
                              "train.beta > 0")
-        if self.task.name == "custom":
-            for key in ("train_file", "test_file", "reward"):
-                if getattr(self.task, key) is None:
-                    raise ValueError(f"task.{key} is required when task.name=custom")
+        required = {"custom": ("train_file", "test_file", "reward"),
+                    "dataset": ("train_file", "test_file")}.get(self.task.name, ())
+        for key in required:
+            if getattr(self.task, key) is None:
+                raise ValueError(f"task.{key} is required when task.name={self.task.name}")
+        if self.task.chat and self.model.path is None and self.model.tokenizer == "char":
+            raise ValueError("task.chat: true needs a tokenizer with a chat template; the char "
+                             "tokenizer has none (set model.tokenizer=bpe)")
         return self
 
     def _check_rollout_correction(self) -> None:

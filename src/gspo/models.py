@@ -112,10 +112,14 @@ def preset_config(name: str, vocab_size: int, overrides: dict | None = None) -> 
 
 
 def build_model(preset: str, seed: int, overrides: dict | None = None,
-                dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A freshly initialised preset model and the character tokenizer, deterministic in ``seed``."""
-    tokenizer = build_char_tokenizer()
-    config = preset_config(preset, len(tokenizer), overrides)
+                dtype: torch.dtype = torch.float32, tokenizer: PreTrainedTokenizerBase | None = None
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A freshly initialised preset model, deterministic in ``seed``, sized for ``tokenizer``
+    (default: the character tokenizer) and given its special token ids."""
+    tokenizer = tokenizer or build_char_tokenizer()
+    ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": tokenizer.eos_token_id}
+    config = preset_config(preset, len(tokenizer), {**ids, **(overrides or {})})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -145,15 +149,17 @@ def reading_checkpoint(key: str, path: str | Path):
         raise UserError(f"{key}: cannot load the checkpoint {str(path)!r} ({reason})") from None
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, key: str = "checkpoint"
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               tokenizer: PreTrainedTokenizerBase | None = None, key: str = "checkpoint"
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Any local causal-LM checkpoint directory (transformers format); never downloads. One that
-    cannot be read is a UserError naming ``key`` (e.g. model.path)."""
+    cannot be read is a UserError naming ``key`` (e.g. model.path). ``tokenizer``: use this one
+    (e.g. with its EOS set to the chat end-of-turn) instead of the checkpoint's own."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{key}: {path} is not a transformers checkpoint (no config.json)")
     with reading_checkpoint(key, path):
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path, local_files_only=True)
         # safetensors only: a pickled pytorch_model.bin is refused, never unpickled
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                      use_safetensors=True)

@@ -75,7 +75,8 @@ def check_safetensors(key: str, file: Path) -> None:
 
 def check_files(cfg) -> None:
     """Files named by the config exist (the config file itself is checked when read)."""
-    if cfg.task.name == "custom":
+    from gspo.data import FILE_TASKS
+    if cfg.task.name in FILE_TASKS:
         for key in ("train_file", "test_file", "validation_file"):
             path = getattr(cfg.task, key)
             if path is not None and not Path(path).is_file():

@@ -64,10 +64,12 @@ def build_task(cfg: TrainConfig) -> tasks.Task:
 def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
     """The policy RL starts from: model.path, or a preset cold-started by SFT (cached)."""
     dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
+    tokenizer = getattr(task, "tokenizer", None)  # the one the data was checked with (gspo.data)
     if cfg.model.path:
-        model, tokenizer = load_model(cfg.model.path, dtype, key="model.path")
+        model, tokenizer = load_model(cfg.model.path, dtype, tokenizer, key="model.path")
     else:
-        model, tokenizer = build_model(cfg.model.preset, cfg.seed, cfg.model.overrides, dtype)
+        model, tokenizer = build_model(cfg.model.preset, cfg.seed, cfg.model.overrides, dtype,
+                                       tokenizer)
     info: dict = {"source": cfg.model.path or f"preset:{cfg.model.preset}"}
     if cfg.sft.enabled and cfg.sft.steps > 0:
         key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)

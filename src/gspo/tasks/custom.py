@@ -46,6 +46,18 @@ def load_function(spec: str) -> Callable:
     return obj
 
 
+def reward_function(spec: str, sandbox: dict | None = None) -> Callable:
+    """The task's reward `module:function`: imported here, or with `sandbox` (gspo.sandbox.Limits
+    fields) a handle that calls it in a limited worker process and never imports it here."""
+    if sandbox is not None:
+        from gspo.sandbox import Limits, SandboxedFunction
+        return SandboxedFunction(spec, Limits(**sandbox))
+    try:
+        return load_function(spec)
+    except ValueError as err:
+        raise ValueError(f"task.reward: {err}") from err
+
+
 def read_jsonl(path: str | os.PathLike) -> list[Example]:
     """Read one JSONL split; errors carry `file:line: reason`."""
     return read_jsonl_rows(path)[0]
@@ -126,14 +138,7 @@ class Custom:
         if overlap:
             warnings.warn(f"custom task: {len(overlap)} prompt(s) appear in both {train_file} and {test_file}")
         self.reward_spec = reward
-        if sandbox is not None:
-            from gspo.sandbox import Limits, SandboxedFunction
-            self._fn = SandboxedFunction(reward, Limits(**sandbox))
-        else:
-            try:
-                self._fn = load_function(reward)
-            except ValueError as err:
-                raise ValueError(f"task.reward: {err}") from err
+        self._fn = reward_function(reward, sandbox)
         self.correct_threshold = correct_threshold
 
     def split(self, name: str) -> list[Example]:
