@@ -1,4 +1,5 @@
-"""Metric sinks: one JSON object per step in ``metrics.jsonl``, mirrored to TensorBoard."""
+"""Metric sinks: one JSON object per step in ``metrics.jsonl``, mirrored to the experiment
+trackers of ``run.trackers`` (gspo.trackers: TensorBoard by default)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import math
 import time
 from pathlib import Path
+
+from gspo.trackers import open_trackers
 
 
 def _clean(value):
@@ -16,17 +19,16 @@ def _clean(value):
 
 
 class MetricsWriter:
-    """Every row goes to metrics.jsonl at once; TensorBoard is flushed at most every ``flush_s``
-    seconds (and by ``flush`` / ``close``: checkpoints, pauses, the end), not per row."""
+    """Every row goes to metrics.jsonl at once; the trackers (``trackers``: names in
+    gspo.trackers, opened with ``config``) are flushed at most every ``flush_s`` seconds (and by
+    ``flush`` / ``close``: checkpoints, pauses, the end), not per row."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, flush_s: float = 2.0):
+    def __init__(self, run_dir: str | Path, trackers: list[str] = (), config: dict | None = None,
+                 flush_s: float = 2.0):
         self.flush_s, self._flushed = flush_s, time.monotonic()
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        self._trackers = open_trackers(list(trackers), Path(run_dir), config or {})
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop rows past the checkpoint (and a line cut short by a kill) so the log
@@ -42,23 +44,23 @@ class MetricsWriter:
     def write(self, row: dict) -> None:
         with self.path.open("a") as fh:
             fh.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        if self._tb is not None:
-            step = row["step"]
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+        if self._trackers:
+            numbers = {k: v for k, v in row.items()
+                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for tracker in self._trackers:
+                tracker.log(numbers, row["step"])
             if time.monotonic() - self._flushed >= self.flush_s:
                 self.flush()
 
     def flush(self) -> None:
-        """Write TensorBoard's pending events now."""
-        if self._tb is not None:
-            self._tb.flush()
+        """Write the trackers' pending events now."""
+        for tracker in self._trackers:
+            tracker.flush()
         self._flushed = time.monotonic()
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 class NullWriter:
