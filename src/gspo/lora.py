@@ -93,6 +93,8 @@ def attach(model: nn.Module, lora: LoRAConfig, *, seed: int, base: str | Path) -
     """``model`` with LoRA adapters (A random by ``seed``, B = 0: the policy starts as the base);
     only adapter parameters require grad. The base weights are shared, not copied."""
     model.name_or_path = str(base)  # peft names the base after it in adapter_config.json
+    model.zero_grad(set_to_none=True)  # a frozen weight keeps no stale gradient (the cold start's
+    # last one would count in the clipped gradient norm, which no optimizer of the adapters zeroes)
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(seed)

@@ -63,6 +63,7 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
         scheduler.step()
         history.append({"step": step, "sft/loss": loss.item(), "sft/grad_norm": grad_norm.item()})
         bar.set_postfix(loss=f"{history[-1]['sft/loss']:.3f}")
+    optimizer.zero_grad(set_to_none=True)  # the policy leaves SFT without its last gradients
     model.eval()
     return history
 
