@@ -61,7 +61,7 @@ def check_targets(model: nn.Module, lora: LoRAConfig) -> None:
         raise ValueError(f"model.lora.target_modules: {', '.join(map(repr, missing))} matches no "
                          f"module of the model (its linear layers: {', '.join(leaves)})")
     try:
-        get_peft_model(model, peft_config(lora))
+        _wrap(model, peft_config(lora))
     except (ValueError, TypeError) as err:  # e.g. a target that is a norm layer, not a linear one
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"model.lora.target_modules: {first}") from None
@@ -95,10 +95,16 @@ def attach(model: nn.Module, lora: LoRAConfig, *, seed: int, base: str | Path) -
     model.name_or_path = str(base)  # peft names the base after it in adapter_config.json
     model.zero_grad(set_to_none=True)  # a frozen weight keeps no stale gradient (the cold start's
     # last one would count in the clipped gradient norm, which no optimizer of the adapters zeroes)
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return get_peft_model(model, peft_config(lora, base))
+        return _wrap(model, peft_config(lora, base))
+
+
+def _wrap(model: nn.Module, config: PeftLoraConfig) -> PeftModel:
+    """get_peft_model, without the deprecation warning peft 0.21 triggers in transformers 5."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def reference(model: nn.Module):

@@ -25,6 +25,8 @@ class Tracker:
 
     package: str = ""
     """The Python package it needs (checked by ``check_available``)."""
+    pip: str = ""
+    """What to pip install for it (default: ``package``)."""
 
     def __init__(self, run_dir: Path, config: dict):
         self.run_dir, self.config = run_dir, config
@@ -54,13 +56,13 @@ def available() -> list[str]:
 
 
 def check_available(names: list[str]) -> None:
-    """ImportError (one line, naming run.trackers and the package) for a tracker not installed."""
+    """ValueError (one line, naming run.trackers and the package) for a tracker not installed."""
     for name in names:
-        package = TRACKERS[name].package
-        if importlib.util.find_spec(package) is None:
-            raise ImportError(f"run.trackers: {name} needs the {package!r} package, which is not "
-                              f"installed (pip install {package if name != 'mlflow' else 'mlflow-skinny'}, "
-                              f"or drop it from run.trackers)")
+        tracker = TRACKERS[name]
+        if importlib.util.find_spec(tracker.package) is None:
+            raise ValueError(f"run.trackers: {name} needs the {tracker.package!r} package, which is "
+                             f"not installed (pip install {tracker.pip or tracker.package}, or drop "
+                             f"it from run.trackers)")
 
 
 def open_trackers(names: list[str], run_dir: str | Path, config: dict) -> list[Tracker]:
@@ -111,7 +113,7 @@ MLFLOW_UNSAFE = re.compile(r"[^\w\-. :/]")
 
 @register("mlflow")
 class MLflow(Tracker):
-    package = "mlflow"
+    package, pip = "mlflow", "mlflow-skinny"
 
     def __init__(self, run_dir: Path, config: dict):
         super().__init__(run_dir, config)
@@ -119,6 +121,8 @@ class MLflow(Tracker):
         from mlflow.entities import Metric
         self.metric = Metric
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").absolute().as_uri()
+        if uri.startswith("file:"):  # MLflow 3 keeps the file store behind an opt-in
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(PROJECT)
         experiment_id = (experiment.experiment_id if experiment is not None
