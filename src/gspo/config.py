@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gspo.trackers import available as available_trackers
 from gspo.errors import UserError
 
 
@@ -76,9 +77,8 @@ class RunConfig(Section):
     @field_validator("trackers")
     @classmethod
     def _trackers(cls, names: list[str]) -> list[str]:
-        from gspo.trackers import available
         for name in names:
-            one_of("tracker", name, available())
+            one_of("tracker", name, available_trackers())
         if len(set(names)) < len(names):
             raise ValueError(f"a tracker is listed twice: {names}")
         return names
