@@ -87,6 +87,21 @@ def test_bfloat16_loss_is_float32_and_gradients_reach_the_weights(grouped_batch)
     assert sum(float(g.float().abs().sum()) for g in grads.values()) > 0
 
 
+def test_lora_over_a_bfloat16_base_trains_float32_adapters(grouped_batch):
+    batch, _ = grouped_batch
+    model, _ = build_model("tiny-dense", 0, dtype=torch.bfloat16)
+    model = lora.attach(model, LoRAConfig(r=4), seed=0, base="unused").train()
+    loss = _gspo_loss(_logprobs(model, batch).logp, batch)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    grads = _grads(model)
+    assert grads and all("lora_" in n for n in grads)
+    assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
+    assert any(g.abs().max() > 0 for n, g in grads.items() if "lora_B" in n)  # B = 0: A's grad is 0
+    frozen = [p.dtype for n, p in model.named_parameters() if "lora_" not in n]
+    assert frozen and set(frozen) == {torch.bfloat16}
+
+
 # ------------------------------------------------------------------------------- activation checkpointing
 
 @pytest.mark.parametrize("shared", [False, True], ids=["one-forward", "shared-prompts"])
