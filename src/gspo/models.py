@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import string
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,7 +148,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32
     path = Path(path)
     if is_adapter_dir(path):
         base, _ = load_model(adapter_base(path), dtype)
-        model = PeftModel.from_pretrained(base, path, is_trainable=False).merge_and_unload()
+        with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = PeftModel.from_pretrained(base, path, is_trainable=False).merge_and_unload()
     elif (path / "config.json").is_file():
         # safetensors only: a pickled pytorch_model.bin is refused, never unpickled
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
