@@ -178,6 +178,15 @@ def test_a_lora_target_matching_nothing_is_one_line_exit_2_before_anything_is_bu
     assert not run.exists() and not (tmp_path / "sft").exists()       # nothing built or written
 
 
+def test_unsupported_combinations_are_refused_before_anything_is_built(tmp_path, capsys):
+    code = main(["train", f"run.dir={tmp_path / 'a'}", "model.preset=tiny-moe", "model.lora.r=4"])
+    assert code == 2 and "model.lora: LoRA on Mixture-of-Experts models" in capsys.readouterr().err
+    code = main(["train", f"run.dir={tmp_path / 'b'}", "model.preset=tiny-moe",
+                 "train.activation_checkpointing=true", "moe.routing_replay=old"])
+    assert code == 2 and "train.activation_checkpointing does not work with moe" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_a_lora_target_peft_cannot_adapt_is_one_line(tmp_path, capsys):
     code = main(["train", f"run.dir={tmp_path / 'run'}", "model.lora={target_modules: [input_layernorm]}"])
     err = capsys.readouterr().err.strip()

@@ -455,6 +455,11 @@ class TrainConfig(Section):
         if self.train.beta == 0 and any(r.kind == "kl_ref" for r in self.guard.rules):
             raise ValueError("guard rule kl_ref watches the KL to the reference policy: it needs "
                              "train.beta > 0")
+        if self.train.activation_checkpointing and (self.moe.routing_replay != "none"
+                                                    or self.moe.aux_loss_coef > 0):
+            raise ValueError("train.activation_checkpointing does not work with moe.routing_replay or "
+                             "moe.aux_loss_coef yet (the backward's recomputation runs outside the "
+                             "routing context): turn one of them off")
         if self.model.lora is not None and self.objective.name == "ppo":
             raise ValueError("model.lora is not supported with objective.name=ppo (its critic and "
                              "reference are copies of the whole policy); use a group-relative objective")

@@ -97,6 +97,11 @@ def check_model(cfg) -> None:
     with user_input():
         config = _model_config(cfg)
     if cfg.model.lora is not None:
+        from gspo.moe import ROUTER_CLASSES
+        if config.model_type in ROUTER_CLASSES:
+            raise UserError(f"model.lora: LoRA on Mixture-of-Experts models ({config.model_type!r}) is "
+                            f"not supported yet (its routers would get adapters and routing capture "
+                            f"breaks); use a dense model or train the whole model")
         import torch
         from transformers import AutoModelForCausalLM
         from gspo.lora import check_targets
