@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gspo import advantages, correction, presets
+from gspo.trackers import available as available_trackers
 from gspo.errors import UserError
 
 
@@ -54,12 +55,56 @@ class RunConfig(Section):
     """Replace a previous run found in run.dir (otherwise refuse; --resume continues it)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many step checkpoints to keep (the final one is always kept)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files under run.dir/tb."""
+    trackers: list[str] = ["tensorboard"]
+    """Experiment trackers the step metrics go to besides metrics.jsonl (gspo.trackers.available()): tensorboard (run.dir/tb) | wandb (offline unless WANDB_MODE says otherwise) | mlflow (a local file: store, run.dir/mlruns, unless MLFLOW_TRACKING_URI is set) | trackio (local). [] for none. Replaces the former run.tensorboard: bool."""
     progress: bool = True
     """Show a progress bar (disabled automatically when stderr is not a terminal)."""
     threads: int = Field(1, ge=0)
     """torch CPU threads (torch.set_num_threads), set when training starts; 0 leaves torch's default (one per core). 1 by default: on a 2-core machine 2 threads were ~20% faster while the other core was idle but stalled single steps 10-100x while it was busy (docs/performance.md)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_key(cls, data: Any) -> Any:
+        """The former ``run.tensorboard: bool`` (old configs, old runs' config.yaml): mapped to
+        ``run.trackers`` ([tensorboard] or []); refused when given together with run.trackers."""
+        if not isinstance(data, dict) or "tensorboard" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("tensorboard")
+        if "trackers" in data:
+            raise ValueError("run.tensorboard was replaced by run.trackers: give only run.trackers "
+                             "(e.g. run.trackers=[tensorboard] or run.trackers=[])")
+        if not isinstance(old, bool):
+            raise ValueError(f"run.tensorboard (replaced by run.trackers) must be true or false, got {old!r}")
+        data["trackers"] = ["tensorboard"] if old else []
+        return data
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers(cls, names: list[str]) -> list[str]:
+        for name in names:
+            one_of("tracker", name, available_trackers())
+        if len(set(names)) < len(names):
+            raise ValueError(f"a tracker is listed twice: {names}")
+        return names
+
+
+class LoRAConfig(Section):
+    r: int = Field(16, ge=1)
+    """Rank of each adapter (A: r x in, B: out x r)."""
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the adapter adds (alpha / r) * B A x to the frozen layer's output."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Layers that get an adapter: all-linear (every linear layer but the output head) or a list of module names, a module matching a name when its dotted path equals it or ends with '.name' (e.g. [q_proj, v_proj]). A name that matches no module is an error."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, targets: list[str] | str) -> list[str] | str:
+        if isinstance(targets, list) and not targets:
+            raise ValueError("needs at least one module name (or all-linear)")
+        return targets
 
 
 class ModelConfig(Section):
@@ -74,9 +119,11 @@ class ModelConfig(Section):
     tokenizer_vocab: int = Field(4096, ge=300)
     """bpe: the most tokens it may have (256 bytes + special tokens + merges); a small corpus stops earlier."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype. Log-ratios are always computed in float32."""
+    """Parameter dtype (bfloat16 / float16: the weights and the optimizer state are kept in it; LoRA adapters stay float32). Logits are upcast to float32 before the log-softmax, and log-probs, ratios and the loss are always float32."""
     device: str = "auto"
     """cpu | cuda | cuda:N | auto (cuda when available)."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters through peft for RL (None: off, the whole model trains), e.g. {r: 16, alpha: 32, target_modules: all-linear}: only adapter weights train, checkpoints hold the adapter (adapter_config.json + adapter_model.safetensors), evaluation merges it, the KL reference is the base with the adapter disabled. The SFT cold start, when on, trains the whole model first (docs/lora-precision.md)."""
 
     @field_validator("preset")
     @classmethod
@@ -347,6 +394,8 @@ class TrainLoopConfig(Section):
     """dynamic_sampling: extra generation rounds at most per step."""
     logprob_chunk: int = Field(1024, ge=1)
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (transformers activation checkpointing, non-reentrant) during the RL update: less memory, about one extra forward of time; the update's forwards then do not share prompts (docs/lora-precision.md)."""
     log_rollout_logprobs: bool = False
     """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
@@ -527,6 +576,14 @@ class TrainConfig(Section):
         if self.task.chat and self.model.path is None and self.model.tokenizer == "char":
             raise ValueError("task.chat: true needs a tokenizer with a chat template; the char "
                              "tokenizer has none (set model.tokenizer=bpe)")
+        if self.train.activation_checkpointing and (self.moe.routing_replay != "none"
+                                                    or self.moe.aux_loss_coef > 0):
+            raise ValueError("train.activation_checkpointing does not work with moe.routing_replay or "
+                             "moe.aux_loss_coef yet (the backward's recomputation runs outside the "
+                             "routing context): turn one of them off")
+        if self.model.lora is not None and self.objective.name == "ppo":
+            raise ValueError("model.lora is not supported with objective.name=ppo (its critic and "
+                             "reference are copies of the whole policy); use a group-relative objective")
         return self
 
     def _check_rollout_correction(self) -> None:

@@ -63,6 +63,7 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
         scheduler.step()
         history.append({"step": step, "sft/loss": loss.item(), "sft/grad_norm": grad_norm.item()})
         bar.set_postfix(loss=f"{history[-1]['sft/loss']:.3f}")
+    optimizer.zero_grad(set_to_none=True)  # the policy leaves SFT without its last gradients
     model.eval()
     return history
 
@@ -77,7 +78,8 @@ def cache_key(model_cfg, task_cfg, sft_cfg: SFTConfig, seed: int) -> str:
     task = task_cfg.model_dump(exclude=NOT_TRAINING_DATA)
     train_file = getattr(task_cfg, "train_file", None)  # custom data: its content, not only its path
     data = [hashlib.sha256(Path(train_file).read_bytes()).hexdigest()] if train_file else []
-    return config_hash(model_cfg, task, sft, seed, *data)
+    model = model_cfg.model_dump(exclude={"lora"})  # adapters attach after the cold start
+    return config_hash(model, task, sft, seed, *data)
 
 
 def cached_checkpoint(cache_dir: str | Path, key: str) -> Path | None:

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gspo import (algorithms, correction, data, diagnostics, distributed, engines, moe, objectives,
-                  provenance, tasks)
+from gspo import (algorithms, correction, data, diagnostics, distributed, engines, lora, moe,
+                  objectives, provenance, tasks)
 from gspo.audit import Recorder
 from gspo.guard import Guard
 from gspo.isolation import correct_all
@@ -37,7 +37,7 @@ from gspo.checkpoint import load_latest, remove_partial
 from gspo.config import TrainConfig, dump_yaml
 from gspo.evaluation import EvalResult, evaluate
 from gspo.metrics import MetricsWriter, NullWriter
-from gspo.models import build_model, load_model
+from gspo.models import build_model, enable_activation_checkpointing, load_model
 from gspo.optim import build_optimizer, build_scheduler
 from gspo.plan import UpdatePlan, live_rows, plan_update
 from gspo.rewards import build_rewards
@@ -166,12 +166,14 @@ class Trainer:
             self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
                                                                         self.progress)
         self.device = next(self.model.parameters()).device
+        self._prepare_policy()                      # activation checkpointing, LoRA adapters
         self.is_moe = moe.supports_moe(self.model)
         if cfg.moe.routing_replay != "none" or cfg.moe.aux_loss_coef > 0:
             moe.moe_layers(self.model)  # raises a clear ValueError for a model it cannot route
         self.ref_model = None
-        if cfg.train.beta > 0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if cfg.train.beta > 0:  # LoRA: the same model, adapter off (lora.reference)
+            self.ref_model = self.model if lora.is_lora(self.model) else \
+                copy.deepcopy(self.model).eval().requires_grad_(False)
         self.dist.wrap(self.model, cfg.dist.strategy)  # rank 0's weights everywhere; fsdp: sharded
         total = cfg.train.steps * cfg.train.minibatches
         self.optimizer = build_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay)
@@ -181,8 +183,8 @@ class Trainer:
         self.start_step, self.history, self.wall_before = 0, {}, 0.0
         self.guard = Guard(cfg.guard, cfg.faults, list(self.scheduler.base_lrs))
         self.recorder = Recorder(cfg.audit.every, self.run_dir)
-        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard) if self.dist.is_main \
-            else NullWriter()
+        self.metrics = (MetricsWriter(self.run_dir, cfg.run.trackers, cfg.model_dump(mode="json"))
+                        if self.dist.is_main else NullWriter())
         self.algorithm.setup(self)                  # ppo: the critic, from the policy
         if self.resume:
             self._restore()
@@ -197,6 +199,20 @@ class Trainer:
             dump_yaml(self.cfg, self.run_dir / "config.yaml")
         with writing(provenance.FILE, self.run_dir / provenance.FILE):
             provenance.write(self.run_dir, self.current_provenance(), resume=self.resume)
+    def _prepare_policy(self) -> None:
+        """train.activation_checkpointing on the policy; model.lora: adapters over the frozen
+        policy, whose weights are saved once as the adapters' base when no checkpoint holds them."""
+        cfg = self.cfg
+        if cfg.train.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
+        if cfg.model.lora is None:
+            return
+        changed = cfg.sft.enabled and cfg.sft.steps > 0
+        base, write = lora.base_checkpoint(self.run_dir, cfg.model.path, changed)
+        if write:
+            self.dist.on_main(lambda: lora.write_base(self.model, self.tokenizer, base))
+        self.model = lora.attach(self.model, cfg.model.lora, seed=cfg.seed, base=base)
+        self.init_info["lora_base"] = str(base)
 
     def _claim_run_dir(self) -> None:
         """Lock the folder (one writer at a time, gspo.rundir) and remove what a killed writer
@@ -232,8 +248,12 @@ class Trainer:
 
     def load_checkpoint(self, loaded) -> None:
         """Weights, optimizer, scheduler, data position, step and history of a checkpoint."""
-        weights, _ = load_model(loaded.path, DTYPES[self.cfg.model.dtype])
-        self.dist.load_state(self.model, self.optimizer, weights.state_dict(), loaded.optimizer)
+        if lora.is_lora(self.model):   # the checkpoint holds the adapter; the base is unchanged
+            lora.load_adapter(self.model, loaded.path)
+            weights = self.model.state_dict()
+        else:
+            weights = load_model(loaded.path, DTYPES[self.cfg.model.dtype])[0].state_dict()
+        self.dist.load_state(self.model, self.optimizer, weights, loaded.optimizer)
         self.scheduler.load_state_dict(loaded.scheduler)
         state = loaded.state
         self.cursor.load(state["cursor"])
@@ -455,7 +475,7 @@ class Trainer:
         timer = timer or StepTimer(self.device)
         ref_logp = None
         if self.ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), lora.reference(self.ref_model):
                 ref_logp = self._logprobs(self.ref_model, batch, with_entropy=False).logp
         kwargs, agg = self.objective_kwargs(mask.shape[1]), self.token_aggregation()
         collected: dict[str, list[torch.Tensor]] = {}
