@@ -5,6 +5,7 @@ tracker's own reader; a tracker whose package is not installed is skipped (they 
 
 import importlib.util
 import json
+import time
 
 import pytest
 
@@ -92,6 +93,11 @@ def test_wandb_offline(tmp_path, monkeypatch):
         tracker.log({"reward/mean": row["reward/mean"]}, row["step"])
     tracker.close()
     (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    # wandb's service process writes the record after finish() returns (seen: a 7-byte header
+    # only, under load): wait for it, as `wandb sync` would
+    deadline = time.monotonic() + 60
+    while record.read_bytes().count(b"reward/mean") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
     data = record.read_bytes()
     assert data.count(b"reward/mean") >= 2 and b"0.75" in data and b"0.25" in data
 
