@@ -253,7 +253,7 @@ def _short_writes(monkeypatch, after: int) -> None:
 def test_a_metrics_row_is_never_left_half_written(tmp_path, monkeypatch):
     """The disk takes 20 bytes of the row of step 2, then refuses: the file is cut back to the
     row of step 1, WriteFailed names the row and the file, and the next row appends whole."""
-    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer = MetricsWriter(tmp_path, trackers=[])
     writer.write({"step": 1, "reward/mean": 0.5})
     before = (tmp_path / "metrics.jsonl").read_bytes()
     with monkeypatch.context() as patch:
@@ -276,7 +276,7 @@ def test_a_full_disk_under_tensorboard_is_one_named_error(tmp_path, monkeypatch,
 
     def full(self, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    writer = MetricsWriter(tmp_path, tensorboard=True)
+    writer = MetricsWriter(tmp_path, trackers=["tensorboard"])
     monkeypatch.setattr(record_writer.RecordWriter, "write", full)
     with pytest.raises(WriteFailed) as caught:
         for step in range(1, 50):          # the thread fails on the first; a later call says so

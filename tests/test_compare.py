@@ -118,7 +118,7 @@ def test_tune_score_is_mean_of_last_evaluations_and_ties_go_first(tmp_path):
     for i, accs in enumerate([{0: 0.1, 2: 0.9, 4: 0.3, 6: 0.5},     # last two: (0.3 + 0.5) / 2 = 0.4
                               {0: 0.1, 2: 0.2, 4: 0.4, 6: 0.4},     # 0.4: a tie, loses to c0
                               {0: 0.1, 2: 0.0}]):                    # one evaluation: 0.0
-        w = MetricsWriter(tmp_path / f"c{i}", tensorboard=False)
+        w = MetricsWriter(tmp_path / f"c{i}")
         for row in _rows(accs):
             w.write(row)
         w.close()

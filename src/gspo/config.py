@@ -29,12 +29,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gspo import objective_presets as presets
-from gspo.core import advantages, objectives
+from gspo.core import advantages, correction, objectives
+from gspo.observe.trackers import available as available_trackers
 from gspo.errors import UserError
 from gspo.models.presets import available_presets
 from gspo.observe.stability_rules import check_rule
 from gspo.rewards.sources import source_types
 from gspo import tasks
+from gspo.tasks.dataset import FIELDS
 
 BASELINES = ("dpo", "sft")
 """objective.name values that are not a policy loss: online DPO and continued SFT at RL's budget
@@ -73,12 +75,56 @@ class RunConfig(Section):
     """Replace a previous run found in run.dir (otherwise refuse; --resume continues it)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many step checkpoints to keep (the final one is always kept)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files under run.dir/tb."""
+    trackers: list[str] = ["tensorboard"]
+    """Experiment trackers the step metrics go to besides metrics.jsonl (gspo.observe.trackers.available()): tensorboard (run.dir/tb) | wandb (offline unless WANDB_MODE says otherwise) | mlflow (a local file: store, run.dir/mlruns, unless MLFLOW_TRACKING_URI is set) | trackio (local). [] for none. Replaces the former run.tensorboard: bool."""
     progress: bool = True
     """Show a progress bar (disabled automatically when stderr is not a terminal)."""
     threads: int = Field(1, ge=0)
     """torch CPU threads (torch.set_num_threads), set when training starts; 0 leaves torch's default (one per core). 1 by default: on a 2-core machine 2 threads were ~20% faster while the other core was idle but stalled single steps 10-100x while it was busy (docs/performance.md)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_key(cls, data: Any) -> Any:
+        """The former ``run.tensorboard: bool`` (old configs, old runs' config.yaml): mapped to
+        ``run.trackers`` ([tensorboard] or []); refused when given together with run.trackers."""
+        if not isinstance(data, dict) or "tensorboard" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("tensorboard")
+        if "trackers" in data:
+            raise ValueError("run.tensorboard was replaced by run.trackers: give only run.trackers "
+                             "(e.g. run.trackers=[tensorboard] or run.trackers=[])")
+        if not isinstance(old, bool):
+            raise ValueError(f"run.tensorboard (replaced by run.trackers) must be true or false, got {old!r}")
+        data["trackers"] = ["tensorboard"] if old else []
+        return data
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers(cls, names: list[str]) -> list[str]:
+        for name in names:
+            one_of("tracker", name, available_trackers())
+        if len(set(names)) < len(names):
+            raise ValueError(f"a tracker is listed twice: {names}")
+        return names
+
+
+class LoRAConfig(Section):
+    r: int = Field(16, ge=1)
+    """Rank of each adapter (A: r x in, B: out x r)."""
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the adapter adds (alpha / r) * B A x to the frozen layer's output."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Layers that get an adapter: all-linear (every linear layer but the output head) or a list of module names, a module matching a name when its dotted path equals it or ends with '.name' (e.g. [q_proj, v_proj]). A name that matches no module is an error."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, targets: list[str] | str) -> list[str] | str:
+        if isinstance(targets, list) and not targets:
+            raise ValueError("needs at least one module name (or all-linear)")
+        return targets
 
 
 class ModelConfig(Section):
@@ -88,10 +134,16 @@ class ModelConfig(Section):
     """A local transformers causal-LM checkpoint to start from instead of a preset."""
     overrides: dict[str, Any] = {}
     """Fields set on the preset's transformers config (e.g. {num_hidden_layers: 2})."""
+    tokenizer: Literal["char", "bpe"] = "char"
+    """Tokenizer of a preset (model.path brings its own): char (one token per ASCII character, no chat template) | bpe (byte-level BPE trained on the task's training text, Qwen-style: <|im_start|>/<|im_end|> ChatML template, <|im_end|> the EOS; docs/real-models.md)."""
+    tokenizer_vocab: int = Field(4096, ge=300)
+    """bpe: the most tokens it may have (256 bytes + special tokens + merges); a small corpus stops earlier."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype. Log-ratios are always computed in float32."""
+    """Parameter dtype (bfloat16 / float16: the weights and the optimizer state are kept in it; LoRA adapters stay float32). Logits are upcast to float32 before the log-softmax, and log-probs, ratios and the loss are always float32."""
     device: str = "auto"
     """cpu | cuda | cuda:N | auto (cuda when available)."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters through peft for RL (None: off, the whole model trains), e.g. {r: 16, alpha: 32, target_modules: all-linear}: only adapter weights train, checkpoints hold the adapter (adapter_config.json + adapter_model.safetensors), evaluation merges it, the KL reference is the base with the adapter disabled. The SFT cold start, when on, trains the whole model first (docs/lora-precision.md)."""
 
     @field_validator("preset")
     @classmethod
@@ -101,7 +153,7 @@ class ModelConfig(Section):
 
 class TaskConfig(Section):
     name: str = "arithmetic"
-    """Task from the registry (gspo.tasks.available()), or 'custom' for JSONL + reward function."""
+    """Task from the registry (gspo.tasks.available()), or 'custom' for JSONL + reward function, or 'dataset' for JSONL / JSON / parquet / CSV / arrow files read with Hugging Face datasets (docs/real-models.md)."""
     n_train: int | None = Field(None, ge=1)
     """Training prompts to generate (built-in tasks; None: the task's default)."""
     n_test: int | None = Field(None, ge=1)
@@ -111,15 +163,28 @@ class TaskConfig(Section):
     params: dict[str, Any] = {}
     """Task-specific generator options (e.g. {max_digits: 2} for arithmetic)."""
     train_file: str | None = None
-    """custom task: JSONL file with 'prompt' and 'answer' per row (and any other columns)."""
+    """custom task: JSONL file with 'prompt' and 'answer' per row (and any other columns). dataset task: a .jsonl / .json / .parquet / .csv / .arrow file, columns named by task.columns."""
     test_file: str | None = None
-    """custom task: held-out JSONL file, same format."""
+    """custom / dataset task: held-out file, same format."""
     validation_file: str | None = None
-    """custom task: optional validation JSONL file, same format (needed for eval.split=validation)."""
+    """custom / dataset task: optional validation file, same format (needed for eval.split=validation)."""
     reward: str | None = None
-    """custom task: reward function as 'module:function', called fn(completion, **row) -> float."""
+    """custom task: reward function as 'module:function', called fn(completion, **row) -> float. dataset task: the same, optional (default: 1 when the final answer equals the answer column by value, math-verify)."""
     correct_threshold: float = 1.0
     """custom task: a completion counts as correct when its reward is at least this."""
+    columns: dict[str, str] = {}
+    """dataset task: which column of the files holds each field, e.g. {prompt: question, answer: solution} (fields: prompt, messages, answer; unset fields use their own name)."""
+    chat: bool = False
+    """Render prompts with the tokenizer's chat template (add_generation_prompt): the row's messages, or its prompt as one user turn. The template's end-of-turn token (e.g. <|im_end|>) becomes EOS for generation, the response mask and decoding. Needs a tokenizer with a chat template (model.tokenizer=bpe, or a model.path that has one)."""
+    system_prompt: str | None = None
+    """chat: a system turn put before every conversation that has none."""
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, columns: dict) -> dict:
+        for key in columns:
+            one_of("task.columns field", key, list(FIELDS))
+        return columns
 
     @field_validator("name")
     @classmethod
@@ -129,7 +194,7 @@ class TaskConfig(Section):
 
 class RewardSpec(Section):
     type: str = "verifier"
-    """Reward source: verifier (the task's) | function (module:function) | model (local reward model)."""
+    """Reward source: verifier (the task's) | function (module:function) | model (local reward model) | math (final answer equal by value, math-verify) | think_format (<think>...</think> answer layout)."""
     weight: float = 1.0
     """Weight of this source in the summed reward."""
     fn: str | None = None
@@ -180,6 +245,8 @@ class RolloutConfig(Section):
     """Nucleus sampling (1.0: off). Log-probs ignore it, as in the paper."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0: off)."""
+    dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
+    """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
 
 
 class ObjectiveConfig(Section):
@@ -276,6 +343,42 @@ class DPOConfig(Section):
     """objective.name=dpo: β of the DPO loss −log σ(β[(log π_θ − log π_ref)(y_w) − (log π_θ − log π_ref)(y_l)]) (0.1, as arXiv 2305.18290's experiments and TRL's DPOConfig)."""
 
 
+class RolloutCorrectionConfig(Section):
+    mode: str = "none"
+    """Weight or mask the policy loss by π_old/π_rollout, the trainer's recomputed log-probs over the sampler's (gspo.core.correction, docs/math.md): none | tis (token weight min(ρ_t, cap)) | seq_tis (response weight min(ρ_i, cap), ρ_i the geometric mean) | seq_mask (drop a response unless low ≤ ρ_i ≤ high) | icepop (drop a token unless low ≤ ρ_t ≤ high). Anything but none asks the sampler for its log-probs and logs mismatch/kl, ratio_min, ratio_max, masked_frac, is_weight_mean."""
+    cap: float | None = Field(None, gt=0)
+    """tis, seq_tis: the truncation C of the importance weight (None: 2.0)."""
+    low: float | None = Field(None, ge=0)
+    """seq_mask, icepop: the lowest ratio kept (None: 0.5)."""
+    high: float | None = Field(None, gt=0)
+    """seq_mask, icepop: the highest ratio kept (None: 2.0)."""
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, name: str) -> str:
+        return one_of("rollout correction", name, correction.available())
+
+    @model_validator(mode="after")
+    def _params(self) -> "RolloutCorrectionConfig":
+        if self.mode not in correction.available():  # the mode itself failed
+            return self
+        defaults = correction.spec(self.mode).defaults
+        for key in ("cap", "low", "high"):
+            if getattr(self, key) is not None and key not in defaults:
+                raise ValueError(f"rollout correction {self.mode!r} has no parameter {key!r}; "
+                                 f"valid: {', '.join(defaults) or 'none'}")
+        params = self.params()
+        if "low" in params and params["low"] >= params["high"]:
+            raise ValueError(f"rollout correction {self.mode!r}: low={params['low']} must be "
+                             f"below high={params['high']}")
+        return self
+
+    def params(self) -> dict[str, float]:
+        """The mode's parameters, defaults filled in."""
+        defaults = correction.spec(self.mode).defaults
+        return {k: v if getattr(self, k) is None else getattr(self, k) for k, v in defaults.items()}
+
+
 class TrainLoopConfig(Section):
     steps: int = Field(100, ge=0)
     """RL steps (one rollout batch each)."""
@@ -305,8 +408,12 @@ class TrainLoopConfig(Section):
     """dynamic_sampling: extra generation rounds at most per step."""
     logprob_chunk: int = Field(1024, ge=1)
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (transformers activation checkpointing, non-reentrant) during the RL update: less memory, about one extra forward of time; the update's forwards then do not share prompts (docs/lora-precision.md)."""
     log_rollout_logprobs: bool = False
     """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Rollout-mismatch correction (off by default): see its mode."""
     skip_zero_advantage: bool = True
     """Skip the old-log-prob and training forward/backward of responses with Â = 0 (zero-variance groups) or an empty loss mask: every objective's loss is 0 there, so the update is the same. They enter the loss with ratio 1; entropy and MoE metrics cover the rows trained on. Off by itself with beta > 0, entropy_coef > 0, moe.aux_loss_coef > 0 or an audited step."""
 
@@ -484,14 +591,40 @@ class TrainConfig(Section):
         if self.moe.routing_replay == "old" and self.train.old_logprobs != "recompute":
             raise ValueError("moe.routing_replay=old captures experts in the recomputed old-log-prob "
                              "pass: it needs train.old_logprobs=recompute (or use routing_replay=rollout)")
+        self._check_rollout_correction()
+        if self.rollout.dtype not in ("model", self.model.dtype) and self.moe.routing_replay == "rollout":
+            raise ValueError(f"rollout.dtype={self.rollout.dtype} samples with a copy of the policy, whose "
+                             f"experts moe.routing_replay=rollout cannot capture: use rollout.dtype=model")
         if self.train.beta == 0 and any(r.kind == "kl_ref" for r in self.guard.rules):
             raise ValueError("guard rule kl_ref watches the KL to the reference policy: it needs "
                              "train.beta > 0")
-        if self.task.name == "custom":
-            for key in ("train_file", "test_file", "reward"):
-                if getattr(self.task, key) is None:
-                    raise ValueError(f"task.{key} is required when task.name=custom")
+        required = {"custom": ("train_file", "test_file", "reward"),
+                    "dataset": ("train_file", "test_file")}.get(self.task.name, ())
+        for key in required:
+            if getattr(self.task, key) is None:
+                raise ValueError(f"task.{key} is required when task.name={self.task.name}")
+        if self.task.chat and self.model.path is None and self.model.tokenizer == "char":
+            raise ValueError("task.chat: true needs a tokenizer with a chat template; the char "
+                             "tokenizer has none (set model.tokenizer=bpe)")
+        if self.train.activation_checkpointing and (self.moe.routing_replay != "none"
+                                                    or self.moe.aux_loss_coef > 0):
+            raise ValueError("train.activation_checkpointing does not work with moe.routing_replay or "
+                             "moe.aux_loss_coef yet (the backward's recomputation runs outside the "
+                             "routing context): turn one of them off")
+        if self.model.lora is not None and self.objective.name == "ppo":
+            raise ValueError("model.lora is not supported with objective.name=ppo (its critic and "
+                             "reference are copies of the whole policy); use a group-relative objective")
         return self
+
+    def _check_rollout_correction(self) -> None:
+        """A correction weighs a recomputed π_old against the sampler's log-probs."""
+        mode = self.train.rollout_correction.mode
+        if mode != "none" and self.train.old_logprobs != "recompute":
+            raise ValueError(f"train.rollout_correction.mode={mode} weighs the trainer's π_old against the "
+                             f"sampler's log-probs: it needs train.old_logprobs=recompute")
+        if mode != "none" and self.audit.every:
+            raise ValueError(f"train.rollout_correction.mode={mode} changes the loss mask and advantages, "
+                             f"which `gspo audit` does not re-derive yet: use audit.every=0")
 
     @property
     def batch_size(self) -> int:

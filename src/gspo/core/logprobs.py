@@ -118,11 +118,12 @@ def _shared_prompt_hidden(
     """`response_hidden` running each group's prompt once: its first L-T columns for one row per
     group, their KV cache gathered to every row, then the last T columns of all rows:
     (hidden [N, T, H], P, the prefix row of each row [N]).
-    None when nothing is shared or the decoder's cache cannot be gathered."""
+    None when nothing is shared, the decoder's cache cannot be gathered, or activation
+    checkpointing is on with gradients (transformers then drops the cache of every layer)."""
     uniq, inverse = torch.unique(groups, return_inverse=True)  # CPU: no device sync
     N, L = input_ids.shape
     P = L - T  # prompt columns run once per group
-    if P < 1 or len(uniq) == N:
+    if P < 1 or len(uniq) == N or _checkpointing_drops_cache(decoder):
         return None
     rep = torch.empty(len(uniq), dtype=torch.long).scatter_(0, inverse, torch.arange(N))  # a row per group
     rep, inverse = rep.to(input_ids.device), inverse.to(input_ids.device)
@@ -131,13 +132,20 @@ def _shared_prompt_hidden(
                   position_ids=positions[rep, :P], use_cache=True)
     name = "cache" if "cache" in pre else "past_key_values"  # transformers 5 renamed it `cache`
     cache = pre[name] if name in pre else None
-    if not hasattr(cache, "batch_select_indices"):
-        return None
+    if not hasattr(cache, "batch_select_indices") or cache.get_seq_length() != P:
+        return None  # no cache, or one the layers did not fill
     cache.batch_select_indices(inverse)  # [G·…, heads, P, d]: each row its group's prompt
     out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=positions[:, P:],
                   use_cache=True, **{name: cache})
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [N, T, H]
     return hidden, P, inverse  # [N, T, H] the last T columns
+
+
+def _checkpointing_drops_cache(decoder: nn.Module) -> bool:
+    """Whether this forward runs under transformers activation checkpointing (training mode with
+    gradients), which sets every layer's cache to None: a prompt pass would then fill nothing."""
+    return decoder.training and torch.is_grad_enabled() and any(
+        getattr(m, "gradient_checkpointing", False) for m in decoder.modules())
 
 
 def _decoder_hidden(

@@ -3,7 +3,8 @@
 Every model here is a plain transformers model and every checkpoint a standard transformers
 directory (``config.json`` + ``model.safetensors`` + tokenizer files) that
 ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` load without this
-package. Nothing is downloaded: presets are built from configurations, weights are random until
+package, or a peft LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``
++ tokenizer files) over such a base, which ``load_model`` returns merged into its base. Nothing is downloaded: presets are built from configurations, weights are random until
 trained.
 
 This module deliberately does not know about training; it only builds, loads and saves.
@@ -12,11 +13,14 @@ This module deliberately does not know about training; it only builds, loads and
 from __future__ import annotations
 
 import contextlib
+import json
 import string
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 from safetensors import SafetensorError
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers import models as tk_models
@@ -123,10 +127,14 @@ def preset_config(name: str, vocab_size: int, overrides: dict | None = None) -> 
 
 
 def build_model(preset: str, seed: int, overrides: dict | None = None,
-                dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A freshly initialised preset model and the character tokenizer, deterministic in ``seed``."""
-    tokenizer = build_char_tokenizer()
-    config = preset_config(preset, len(tokenizer), overrides)
+                dtype: torch.dtype = torch.float32, tokenizer: PreTrainedTokenizerBase | None = None
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A freshly initialised preset model, deterministic in ``seed``, sized for ``tokenizer``
+    (default: the character tokenizer) and given its special token ids."""
+    tokenizer = tokenizer or build_char_tokenizer()
+    ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": tokenizer.eos_token_id}
+    config = preset_config(preset, len(tokenizer), {**ids, **(overrides or {})})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -140,6 +148,7 @@ def build_model(preset: str, seed: int, overrides: dict | None = None,
 # weights file, a config.json or tokenizer file that does not parse, weights that do not fit the
 # architecture config.json describes.
 LOAD_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 @contextlib.contextmanager
@@ -156,18 +165,42 @@ def reading_checkpoint(key: str, path: str | Path):
         raise UserError(f"{key}: cannot load the checkpoint {str(path)!r} ({reason})") from None
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, key: str = "checkpoint"
+def is_adapter_dir(path: str | Path) -> bool:
+    """A peft adapter directory (LoRA checkpoint) rather than a full transformers checkpoint."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(path: str | Path) -> Path:
+    """The base checkpoint an adapter directory was trained on (its ``base_model_name_or_path``)."""
+    base = json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise FileNotFoundError(f"{path}: {ADAPTER_CONFIG} names no base_model_name_or_path")
+    return Path(base)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               tokenizer: PreTrainedTokenizerBase | None = None, key: str = "checkpoint"
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Any local causal-LM checkpoint directory (transformers format); never downloads. One that
-    cannot be read is a UserError naming ``key`` (e.g. model.path)."""
+    """Any local causal-LM checkpoint directory (transformers format); never downloads. A LoRA
+    adapter directory is loaded onto its base (``adapter_base``) and merged: a plain model. One
+    that cannot be read is a UserError naming ``key`` (e.g. model.path). ``tokenizer``: use this
+    one (e.g. with its EOS set to the chat end-of-turn) instead of the checkpoint's own."""
     path = Path(path)
-    if not (path / "config.json").is_file():
+    if is_adapter_dir(path):
+        base, _ = load_model(adapter_base(path), dtype, key=key)
+        with reading_checkpoint(key, path), warnings.catch_warnings():
+            # peft 0.21 asks transformers 5 a deprecated question
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = PeftModel.from_pretrained(base, path, is_trainable=False).merge_and_unload()
+    elif (path / "config.json").is_file():
+        with reading_checkpoint(key, path):
+            # safetensors only: a pickled pytorch_model.bin is refused, never unpickled
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                         use_safetensors=True)
+    else:
         raise FileNotFoundError(f"{key}: {path} is not a transformers checkpoint (no config.json)")
     with reading_checkpoint(key, path):
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        # safetensors only: a pickled pytorch_model.bin is refused, never unpickled
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                     use_safetensors=True)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token_id is None:  # many causal LMs ship without one; EOS is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -182,6 +215,12 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
     model's own, e.g. the full weights gathered from FSDP shards)."""
     model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(path)
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute decoder-layer activations in backward (non-reentrant torch checkpointing), in
+    training mode with gradients on; forwards without gradients run as usual, cache included."""
+    model.activation_checkpointing_enable({"use_reentrant": False})
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -1,8 +1,10 @@
-"""Metric sinks: one JSON object per step in ``metrics.jsonl``, mirrored to TensorBoard.
+"""Metric sinks: one JSON object per step in ``metrics.jsonl``, mirrored to the experiment
+trackers of ``run.trackers`` (gspo.observe.trackers: TensorBoard by default).
 
 A row is appended as one whole line; a write that fails part-way (a full disk) is cut back and
 raises ``WriteFailed`` (gspo.storage), so the file never ends in half a row. A line cut short by a
-kill is skipped by ``read_metrics`` and dropped on resume (``truncate_after``).
+kill is skipped by ``read_metrics`` and dropped on resume (``truncate_after``). A tracker's failed
+write is named the same way (``Tracker.files``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 from gspo.storage import append_line, write_atomic, writing
+from gspo.observe.trackers import open_trackers
 
 
 def _clean(value):
@@ -24,23 +27,24 @@ def _clean(value):
 
 
 class MetricsWriter:
-    """Every row goes to metrics.jsonl at once; TensorBoard is flushed at most every ``flush_s``
-    seconds (and by ``flush`` / ``close``: checkpoints, pauses, the end), not per row."""
+    """Every row goes to metrics.jsonl at once; the trackers (``trackers``: names in
+    gspo.observe.trackers, opened with ``config``) are flushed at most every ``flush_s`` seconds (and by
+    ``flush`` / ``close``: checkpoints, pauses, the end), not per row."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, flush_s: float = 2.0):
+    def __init__(self, run_dir: str | Path, trackers: list[str] = (), config: dict | None = None,
+                 flush_s: float = 2.0):
         self.flush_s, self._flushed = flush_s, time.monotonic()
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tb = None
-        self._tb_dir = Path(run_dir) / "tb"
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            _quiet_tensorboard_thread()
-            with self._writing_tb():
-                self._tb = SummaryWriter(str(self._tb_dir))
+        _quiet_tensorboard_thread()
+        with writing("the trackers' files", Path(run_dir)):
+            self._trackers = open_trackers(list(trackers), Path(run_dir), config or {})
 
-    def _writing_tb(self):
-        return writing("TensorBoard events", self._tb_dir)
+    @staticmethod
+    def _writing(tracker):
+        """A failed write of ``tracker`` is one named WriteFailed (a full disk), not a traceback."""
+        what, where = tracker.files()
+        return writing(what, where)
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop rows past the checkpoint (and a line cut short by a kill) so the log
@@ -55,27 +59,26 @@ class MetricsWriter:
     def write(self, row: dict) -> None:
         with writing(f"the metrics row of step {row.get('step')}", self.path):
             append_line(self.path, json.dumps({k: _clean(v) for k, v in row.items()}))
-        if self._tb is not None:
-            step = row["step"]
-            with self._writing_tb():
-                for key, value in row.items():
-                    if key != "step" and isinstance(value, (int, float)) \
-                            and not isinstance(value, bool):
-                        self._tb.add_scalar(key, value, step)
+        if self._trackers:
+            numbers = {k: v for k, v in row.items()
+                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for tracker in self._trackers:
+                with self._writing(tracker):
+                    tracker.log(numbers, row["step"])
             if time.monotonic() - self._flushed >= self.flush_s:
                 self.flush()
 
     def flush(self) -> None:
-        """Write TensorBoard's pending events now."""
-        if self._tb is not None:
-            with self._writing_tb():
-                self._tb.flush()
+        """Write the trackers' pending events now."""
+        for tracker in self._trackers:
+            with self._writing(tracker):
+                tracker.flush()
         self._flushed = time.monotonic()
 
     def close(self) -> None:
-        if self._tb is not None:
-            with self._writing_tb():
-                self._tb.close()
+        for tracker in self._trackers:
+            with self._writing(tracker):
+                tracker.close()
 
 
 class NullWriter:

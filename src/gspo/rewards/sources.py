@@ -23,6 +23,7 @@ from gspo.tasks import Example, Task
 from gspo.tasks.base import call_kwargs, to_reward
 from gspo.rewards.sandbox import Limits, SandboxedFunction
 from gspo.tasks.custom import load_function
+from gspo.tasks.verifiers import math_equal, math_verify, think_format
 
 
 @runtime_checkable
@@ -126,6 +127,32 @@ class ModelReward:
         return scores
 
 
+class MathReward:
+    """1.0 when the completion's final answer equals the example's answer by value (math-verify:
+    ``\\boxed{1/2}``, ``0.5``, ``1/2`` and ``#### 0.5`` alike; see ``gspo.tasks.verifiers``), else 0.0."""
+
+    per_sample = True
+
+    def __init__(self, *, name: str = "math"):
+        math_verify()  # installed, or a one-line error now rather than at the first reward
+        self.name = name
+
+    def __call__(self, completions: list[str], examples: list[Example]) -> list[float]:
+        return [float(math_equal(c, ex.answer)) for c, ex in zip(completions, examples)]
+
+
+class ThinkFormatReward:
+    """1.0 when the completion is laid out as ``<think>reasoning</think> answer``, else 0.0."""
+
+    per_sample = True
+
+    def __init__(self, *, name: str = "think_format"):
+        self.name = name
+
+    def __call__(self, completions: list[str], examples: list[Example]) -> list[float]:
+        return [think_format(c) for c in completions]
+
+
 class CombinedReward:
     """Weighted sum of reward sources."""
 
@@ -209,6 +236,16 @@ def _model(
     max_length: int | None = None,
 ) -> RewardSource:
     return ModelReward(path, name=name, batch_size=batch_size, device=device, label=label, max_length=max_length)
+
+
+@register_source("math")
+def _math(task: Task | None, *, name: str = "math") -> RewardSource:
+    return MathReward(name=name)
+
+
+@register_source("think_format")
+def _think_format(task: Task | None, *, name: str = "think_format") -> RewardSource:
+    return ThinkFormatReward(name=name)
 
 
 def build_rewards(specs: list[dict], task: Task | None = None, sandbox: Limits | None = None

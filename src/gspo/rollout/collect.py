@@ -24,7 +24,9 @@ from typing import Callable, ContextManager, Protocol
 import torch
 
 from gspo.models import moe
+from gspo.models.presets import DTYPES
 from gspo.rewards.isolation import correct_all
+from gspo.rollout import engines
 from gspo.rollout.generate import RolloutBatch, SamplingParams, generate
 
 
@@ -87,12 +89,15 @@ def mark_dropped(batch: RolloutBatch, rewards: torch.Tensor) -> None:
 
 def loss_mask(batch: RolloutBatch, mask_truncated: bool) -> torch.Tensor:
     """[N, T] the response tokens that enter the loss: not of a truncated response when
-    ``mask_truncated``, nor of a dropped sample (the response mask itself stays as generated)."""
+    ``mask_truncated``, nor of a dropped sample, nor masked by the rollout correction (the
+    response mask itself stays as generated)."""
     mask = batch.response_mask
     if mask_truncated:
         mask = mask * (~batch.truncated).float().unsqueeze(-1)              # [N, T]
     if "dropped" in batch.extras:
         mask = mask * (~batch.extras["dropped"]).float().unsqueeze(-1)      # [N, T]
+    if "correction_mask" in batch.extras:  # train.rollout_correction: masked tokens leave it
+        mask = mask * batch.extras["correction_mask"]                       # [N, T]
     return mask
 
 
@@ -152,6 +157,7 @@ class Collector:
     rewards: Callable                  # (completions, examples) -> RewardResult
     shards: Shards
     device: torch.device
+    engine: object = None              # the hf engine that samples (made on first use)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -162,12 +168,24 @@ class Collector:
         """This rank's sampling seed of round ``rnd`` of ``step`` (recorded for audits)."""
         return self.shards.seed(rollout_seed(self.cfg.seed, step, rnd))
 
+    def sampler(self):
+        """The model that samples, with the policy's current weights: the policy itself, or
+        (rollout.dtype) the hf engine's copy of it in that dtype."""
+        if self.engine is None:
+            dtype = self.cfg.rollout.dtype
+            self.engine = engines.build("hf", self.model, self.tokenizer,
+                                        dtype=None if dtype == "model" else DTYPES[dtype])
+        else:
+            self.engine.sync_weights(self.model)
+        return self.engine.model
+
     def generate(self, examples, seed: int) -> RolloutBatch:
         cfg = self.cfg
-        return generate_group(self.model, self.tokenizer, examples, self.sampling,
+        return generate_group(self.sampler(), self.tokenizer, examples, self.sampling,
                               group_size=cfg.rollout.group_size, seed=seed,
                               with_logprobs=cfg.train.old_logprobs == "rollout"
-                              or cfg.train.log_rollout_logprobs,
+                              or cfg.train.log_rollout_logprobs
+                              or cfg.train.rollout_correction.mode != "none",
                               capture_routing=cfg.moe.routing_replay == "rollout", shards=self.shards)
 
     def collect(self, step: int) -> tuple[RolloutBatch | None, torch.Tensor, dict]:

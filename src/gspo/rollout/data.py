@@ -13,8 +13,12 @@ listed in ``task.data_report`` (logged, and written to summary.json under ``data
 empty is an error either way. JSONL parse errors (bad JSON, missing or empty prompt, wrong types)
 are found by ``tasks.custom`` under the same policy and land in the same report.
 
-The returned task also guards ``reward`` / ``is_correct`` (``gspo.rewards.isolation.IsolatedTask``).
-This module reads and checks data; it does not generate or transform it.
+The checks use the tokenizer the policy will use (``tokenizer_and_context``: ``model.tokenizer``
+of a preset, trained on the training split for bpe; under ``task.chat`` with the template's
+end-of-turn token as EOS), and run on the prompts as the model sees them (``task.chat``:
+rendered by ``gspo.rollout.chat``). The returned task also guards ``reward`` / ``is_correct``
+(``gspo.rewards.isolation.IsolatedTask``) and carries that tokenizer as ``.tokenizer``.
+This module reads and checks data; it does not generate it.
 """
 
 from __future__ import annotations
@@ -25,23 +29,35 @@ from transformers import AutoConfig, AutoTokenizer
 
 from gspo import tasks
 from gspo.errors import UserError
-from gspo.models.presets import build_char_tokenizer, preset_config
+from gspo.rollout.chat import ChatTask
+from gspo.models.presets import preset_config
 from gspo.rewards.isolation import IsolatedTask, isolation_options, sandbox_limits
 from gspo.rewards.sandbox import SandboxedFunction
 from gspo.tasks import Example, TaskDataError
 from gspo.tasks.base import SPLITS, pick_split
+from gspo.rollout.tokenization import preset_tokenizer, use_end_of_turn
 
 MAX_LISTED = 20  # skipped examples listed by name in the report (all are counted)
 
 
-def tokenizer_and_context(cfg):
-    """The tokenizer the policy will use and its context length, without building the model."""
+def tokenizer_and_context(cfg, train: list[Example] = ()):
+    """The tokenizer the policy will use and its context length, without building the model.
+
+    A preset's tokenizer is ``model.tokenizer`` (bpe: trained on the ``train`` examples). Under
+    ``task.chat`` its EOS is the chat template's end-of-turn token; a tokenizer without a
+    template is a UserError."""
     if cfg.model.path:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
         config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     else:
-        tokenizer = build_char_tokenizer()
+        tokenizer = preset_tokenizer(cfg.model.tokenizer, list(train), cfg.model.tokenizer_vocab)
         config = preset_config(cfg.model.preset, len(tokenizer), cfg.model.overrides)
+    if cfg.task.chat:
+        try:
+            use_end_of_turn(tokenizer)
+        except ValueError as err:
+            source = f"model.path {cfg.model.path}" if cfg.model.path else f"model.tokenizer={cfg.model.tokenizer}"
+            raise UserError(f"task.chat: true: {err} ({source})") from None
     return tokenizer, getattr(config, "max_position_embeddings", None)
 
 
@@ -106,10 +122,13 @@ def _where(task, split: str, i: int, ex: Example) -> tuple[str, int | None]:
     return f"task {task.name} {split} example {i + 1} ({ex.prompt[:40]!r})", None
 
 
-def prepare_task(task, cfg, log=None) -> CheckedTask:
-    """Check both splits against the tokenizer and context; apply ``data.on_error``."""
+def prepare_task(task, cfg, log=None, tokenizer_context=None) -> CheckedTask:
+    """Check both splits against the tokenizer and context; apply ``data.on_error``.
+
+    ``tokenizer_context``: (tokenizer, context) already built (``tokenizer_and_context``); the
+    checked task keeps the tokenizer as ``.tokenizer`` for the policy to use."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    tokenizer, context = tokenizer_and_context(cfg)
+    tokenizer, context = tokenizer_context or tokenizer_and_context(cfg, _split_or_empty(task, "train"))
     skip = cfg.data.on_error == "skip"
     listed = list(getattr(task, "skipped", []))  # JSONL rows the task itself refused
     splits, counts = {}, {}
@@ -135,32 +154,37 @@ def prepare_task(task, cfg, log=None) -> CheckedTask:
             f"{parsed} unparsable rows, {counts['train']['skipped']} train / "
             f"{counts['test']['skipped']} test examples failing the tokenizer/context check); "
             f"first: {listed[0]} (counts and the first {MAX_LISTED} in summary.json, 'data')")
-    return CheckedTask(task, splits, report, **isolation_options(cfg.rewards))
+    checked = CheckedTask(task, splits, report, **isolation_options(cfg.rewards))
+    checked.tokenizer = tokenizer
+    return checked
 
 
 def eval_examples(task, cfg) -> list[Example]:
     """The first ``eval.n`` examples of the split ``eval.split`` names; an empty one is refused."""
     examples = task.split(cfg.eval.split)
     if not examples:
-        hint = ("set task.validation_file" if cfg.task.name == "custom" else
+        hint = ("set task.validation_file" if cfg.task.name in FILE_TASKS else
                 "set task.n_val (validation prompts to draw)")
         raise UserError(f"eval.split={cfg.eval.split}: the task has no {cfg.eval.split} examples; {hint}")
     return examples[:cfg.eval.n] if cfg.eval.n else examples
 
 
+# Tasks read from files (task.train_file ...) -> the task keys they take besides the common ones.
+FILE_TASKS = {"custom": (), "dataset": ("columns", "chat")}
 DEFAULT_N_VAL = 200  # validation prompts a built-in task draws when eval.split=validation
 
 
 def build_task(cfg) -> CheckedTask:
     """The configured task, its data checked (``prepare_task``)."""
     t = cfg.task
-    if t.name == "custom":
+    if t.name in FILE_TASKS:
         limits = sandbox_limits(cfg.rewards)         # rewards.sandbox: the task's reward too
-        task = tasks.build("custom", train_file=t.train_file, test_file=t.test_file,
+        reward_fn = SandboxedFunction(t.reward, limits) if limits and t.reward else None
+        task = tasks.build(t.name, train_file=t.train_file, test_file=t.test_file,
                            validation_file=t.validation_file,
                            reward=t.reward, correct_threshold=t.correct_threshold,
-                           on_error=cfg.data.on_error,
-                           reward_fn=None if limits is None else SandboxedFunction(t.reward, limits))
+                           on_error=cfg.data.on_error, reward_fn=reward_fn,
+                           **{k: getattr(t, k) for k in FILE_TASKS[t.name]})
     else:
         n_val = t.n_val if t.n_val is not None else DEFAULT_N_VAL if cfg.eval.split == "validation" else 0
         sizes = {k: v for k, v in (("n_train", t.n_train), ("n_test", t.n_test)) if v is not None}
@@ -169,4 +193,7 @@ def build_task(cfg) -> CheckedTask:
                                **t.params)
         except (ValueError, TypeError) as err:  # the generator's options come from task.params
             raise UserError(f"task.params: {err}") from None
-    return prepare_task(task, cfg)
+    tokenizer_context = tokenizer_and_context(cfg, task.split("train"))
+    if t.chat:
+        task = ChatTask(task, tokenizer_context[0], t.system_prompt)
+    return prepare_task(task, cfg, tokenizer_context=tokenizer_context)

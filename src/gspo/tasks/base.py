@@ -146,6 +146,25 @@ def pick_split(task: str, splits: dict[str, list[Example]], name: str) -> list[E
     return list(splits[name])
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def message_problem(messages) -> str | None:
+    """Why ``messages`` is not a usable conversation (None when it is): a list of
+    ``{"role": str, "content": str}`` with a known role and at least one user turn."""
+    if not isinstance(messages, list) or not messages:
+        return f"'messages' must be a non-empty list of {{role, content}} objects, got {messages!r:.60}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or not isinstance(m.get("content"), str):
+            return f"messages[{i}] must be an object with string 'role' and 'content', got {m!r:.60}"
+        if m["role"] not in CHAT_ROLES:
+            return f"messages[{i}]: unknown role {m['role']!r}; valid roles: {', '.join(CHAT_ROLES)}"
+    if not any(m["role"] == "user" for m in messages):
+        return "the conversation has no user message"
+    return None
+
+
 def reward_value(value: Any) -> float:
     """A reward as float if it is a finite real number; else TypeError / ValueError saying what
     came back ("returned str '1.0', expected a number"). The one check every reward path uses."""

@@ -47,6 +47,17 @@ def load_function(spec: str) -> Callable:
     return obj
 
 
+def reward_function(spec: str, reward_fn: Callable | None = None) -> Callable:
+    """The task's reward `module:function`: imported here, or ``reward_fn`` that stands for it
+    (e.g. gspo.rewards.sandbox.SandboxedFunction: a limited worker process; never imported here)."""
+    if reward_fn is not None:
+        return reward_fn
+    try:
+        return load_function(spec)
+    except ValueError as err:
+        raise ValueError(f"task.reward: {err}") from err
+
+
 def read_jsonl(path: str | os.PathLike) -> list[Example]:
     """Read one JSONL split; errors carry `file:line: reason`."""
     return read_jsonl_rows(path)[0]
@@ -128,13 +139,7 @@ class Custom:
         if overlap:
             warnings.warn(f"custom task: {len(overlap)} prompt(s) appear in both {train_file} and {test_file}")
         self.reward_spec = reward
-        if reward_fn is not None:
-            self._fn = reward_fn
-        else:
-            try:
-                self._fn = load_function(reward)
-            except ValueError as err:
-                raise ValueError(f"task.reward: {err}") from err
+        self._fn = reward_function(reward, reward_fn)
         self.correct_threshold = correct_threshold
 
     def split(self, name: str) -> list[Example]:

@@ -26,9 +26,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from gspo.errors import UserError
 from gspo.models.moe import ROUTER_CLASSES
-from gspo.models.presets import build_char_tokenizer, preset_config
+from gspo.models.presets import (ADAPTER_CONFIG, adapter_base, build_char_tokenizer, is_adapter_dir,
+                                 preset_config)
+from gspo.observe.trackers import check_available
 from gspo.rewards.isolation import IsolatedSource
+from gspo.rollout.data import FILE_TASKS
 from gspo.training.checkpoint import list_checkpoints
+from gspo.training.lora import check_targets
 
 MB = 1 << 20
 MIN_FREE_MB = 64  # logs, plots, events: beyond the checkpoints themselves
@@ -52,13 +56,23 @@ def check_train(cfg, resume: bool = False) -> None:
     """Everything about ``cfg`` that can be wrong before a model is built; raises UserError."""
     check_files(cfg)
     check_model(cfg)
+    check_trackers(cfg)
     check_run_dir(cfg, resume)
     check_distributed(cfg, int(os.environ.get("WORLD_SIZE", "1")))
 
 
 # ------------------------------------------------------------------------------------ files
 def check_checkpoint(key: str, path: str) -> None:
+    """A transformers checkpoint with safetensors weights, or a LoRA adapter directory (gspo's
+    LoRA checkpoints) whose base is one."""
     p = Path(path)
+    if is_adapter_dir(p):
+        if not (p / "adapter_model.safetensors").is_file():
+            raise UserError(f"{key}: {path!r} has {ADAPTER_CONFIG} but no adapter_model.safetensors")
+        with user_input(f"{key}: {path!r}"):
+            base = adapter_base(p)
+        check_checkpoint(f"{key} (the base named in its {ADAPTER_CONFIG})", str(base))
+        return
     if not (p / "config.json").is_file():
         raise UserError(f"{key}: {path!r} is not a transformers checkpoint (no config.json)")
     if not any(p.glob("*.safetensors")):
@@ -80,7 +94,7 @@ def check_safetensors(key: str, file: Path) -> None:
 
 def check_files(cfg) -> None:
     """Files named by the config exist (the config file itself is checked when read)."""
-    if cfg.task.name == "custom":
+    if cfg.task.name in FILE_TASKS:
         for key in ("train_file", "test_file", "validation_file"):
             path = getattr(cfg.task, key)
             if path is not None and not Path(path).is_file():
@@ -100,15 +114,33 @@ def _model_config(cfg):
 
 
 def check_model(cfg) -> None:
-    """The architecture can be built as configured and supports the MoE switches asked for."""
+    """The architecture can be built as configured, supports the MoE switches asked for, and has
+    the modules model.lora targets."""
     with user_input():
         config = _model_config(cfg)
+    if cfg.model.lora is not None:
+        if config.model_type in ROUTER_CLASSES:
+            raise UserError(f"model.lora: LoRA on Mixture-of-Experts models ({config.model_type!r}) is "
+                            f"not supported yet (its routers would get adapters and routing capture "
+                            f"breaks); use a dense model or train the whole model")
+        import torch
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):  # module names only, no memory
+            shell = AutoModelForCausalLM.from_config(config)
+        with user_input():
+            check_targets(shell, cfg.model.lora)
     if cfg.moe.routing_replay != "none" or cfg.moe.aux_loss_coef > 0:
         if config.model_type not in ROUTER_CLASSES:
             key = "moe.routing_replay" if cfg.moe.routing_replay != "none" else "moe.aux_loss_coef"
             raise UserError(f"{key}: needs a Mixture-of-Experts model; model type "
                             f"{config.model_type!r} is not one (supported: "
                             f"{', '.join(sorted(ROUTER_CLASSES))}; e.g. model.preset=tiny-moe)")
+
+
+def check_trackers(cfg) -> None:
+    """Every tracker of run.trackers has its package installed."""
+    with user_input():
+        check_available(cfg.run.trackers)
 
 
 def checkpoint_bytes(cfg) -> int:
@@ -192,6 +224,9 @@ def check_distributed(cfg, world: int) -> None:
     if cfg.audit.every:
         raise UserError("audit.every: audit records are single-process only; run the audited "
                         "job without torchrun (docs/distributed.md)")
+    if cfg.model.lora is not None:
+        raise UserError("model.lora: LoRA runs are single-process only for now; run without "
+                        "torchrun (docs/lora-precision.md)")
 
 
 # ------------------------------------------------------------------------------------ rewards

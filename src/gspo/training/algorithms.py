@@ -37,7 +37,7 @@ from torch import Tensor
 
 from gspo.config import BASELINES, objective_names
 from gspo.core import advantages, objectives
-from gspo.core.advantages import best_worst_pairs, gae, whiten
+from gspo.core.advantages import GAE_FORMULA, best_worst_pairs, formula, gae, whiten
 from gspo.core.objectives import dpo_loss, sequence_logprobs
 from gspo.core.value import Critic, explained_variance, value_loss
 from gspo.rollout.collect import DataCursor, loss_mask, minibatch_seed, split_minibatches
@@ -94,6 +94,9 @@ class Algorithm(Protocol):
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         """After the policy's update (instead of it when ``objective`` is None): metrics."""
 
+    def advantage_estimator(self) -> dict:
+        """JSON-able: which advantages this algorithm computes and with what (provenance.json)."""
+
     def state_dict(self) -> dict:
         """JSON-able state for trainer_state.json."""
 
@@ -131,6 +134,12 @@ class GroupRelative:
         estimator = advantages.get(a.estimator)
         return estimator(everyone, self.cfg.rollout.group_size, scale=a.scale, eps=a.eps)[own]  # [N]
 
+    def advantage_estimator(self) -> dict:
+        a = self.cfg.advantage
+        return {"name": a.estimator, "formula": formula(a.estimator, a.scale), "scale": a.scale,
+                "eps": a.eps, "group_size": self.cfg.rollout.group_size,
+                "reward_on_error": self.cfg.rewards.on_error}
+
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         return {}
 
@@ -163,6 +172,12 @@ class PPO:
     def __init__(self, cfg):
         self.cfg, self.p = cfg, cfg.ppo
         self._pending: dict = {}
+
+    def advantage_estimator(self) -> dict:
+        p = self.p
+        return {"name": "gae", "formula": GAE_FORMULA, "gamma": p.gamma, "lam": p.lam,
+                "whiten": p.whiten_advantages, "kl_in_reward": p.kl_in_reward,
+                "kl_coef": p.kl_coef, "value_clip": p.value_clip, "critic_lr": p.critic_lr}
 
     def setup(self, parts: PolicyParts) -> None:
         single_process(parts, "ppo")
@@ -259,6 +274,9 @@ class SFTBaseline:
         self.cfg = cfg
         self._lengths: dict[int, int] = {}
 
+    def advantage_estimator(self) -> dict:
+        return {"name": "none", "formula": "no advantages: supervised steps on demonstrations"}
+
     def setup(self, parts: PolicyParts) -> None:
         single_process(parts, "sft")
         self.parts = parts
@@ -332,6 +350,10 @@ class OnlineDPO:
 
     def __init__(self, cfg):
         self.cfg = cfg
+
+    def advantage_estimator(self) -> dict:
+        return {"name": "none", "formula": "no advantages: DPO on each group's best-vs-worst "
+                                           "reward pair"}
 
     def setup(self, parts: PolicyParts) -> None:
         single_process(parts, "dpo")

@@ -21,10 +21,12 @@ from tqdm.auto import tqdm
 
 from gspo.config import SFTConfig, TrainConfig, config_hash
 from gspo.core.logprobs import response_logprobs
-from gspo.models.presets import DTYPES, build_model, load_model, resolve_device, save_model
+from gspo.models.presets import (DTYPES, build_model, enable_activation_checkpointing, load_model,
+                                 resolve_device, save_model)
 from gspo.rollout.generate import demonstration_batch
 from gspo.storage import writing
 from gspo.tasks import Example
+from gspo.training import lora
 from gspo.training.optim import build_optimizer, build_scheduler
 
 DONE_FILE = "sft.json"
@@ -65,6 +67,7 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
         scheduler.step()
         history.append({"step": step, "sft/loss": loss.item(), "sft/grad_norm": grad_norm.item()})
         bar.set_postfix(loss=f"{history[-1]['sft/loss']:.3f}")
+    optimizer.zero_grad(set_to_none=True)  # the policy leaves SFT without its last gradients
     model.eval()
     return history
 
@@ -79,7 +82,8 @@ def cache_key(model_cfg, task_cfg, sft_cfg: SFTConfig, seed: int) -> str:
     task = task_cfg.model_dump(exclude=NOT_TRAINING_DATA)
     train_file = getattr(task_cfg, "train_file", None)  # custom data: its content, not only its path
     data = [hashlib.sha256(Path(train_file).read_bytes()).hexdigest()] if train_file else []
-    return config_hash(model_cfg, task, sft, seed, *data)
+    model = model_cfg.model_dump(exclude={"lora"})  # adapters attach after the cold start
+    return config_hash(model, task, sft, seed, *data)
 
 
 def cached_checkpoint(cache_dir: str | Path, key: str) -> Path | None:
@@ -112,10 +116,12 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
     """The policy RL starts from: model.path, or a preset cold-started by SFT (cached).
     Returns (model on its device, tokenizer, what it is: source, SFT steps and loss, checkpoint)."""
     dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
+    tokenizer = getattr(task, "tokenizer", None)  # the one the data was checked with (rollout.data)
     if cfg.model.path:
-        model, tokenizer = load_model(cfg.model.path, dtype, key="model.path")
+        model, tokenizer = load_model(cfg.model.path, dtype, tokenizer, key="model.path")
     else:
-        model, tokenizer = build_model(cfg.model.preset, cfg.seed, cfg.model.overrides, dtype)
+        model, tokenizer = build_model(cfg.model.preset, cfg.seed, cfg.model.overrides, dtype,
+                                       tokenizer)
     info: dict = {"source": cfg.model.path or f"preset:{cfg.model.preset}"}
     if cfg.sft.enabled and cfg.sft.steps > 0:
         key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)
@@ -137,3 +143,19 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
             log(f"cold start: saved {hit}")
         info["checkpoint"] = str(hit)
     return model.to(device), tokenizer, info
+
+
+def prepare_policy(model, tokenizer, cfg: TrainConfig, run_dir: Path, on_main, info: dict):
+    """train.activation_checkpointing on the policy; model.lora: adapters over the frozen policy,
+    whose weights are saved once (by ``on_main``) as the adapters' base when no checkpoint holds
+    them. Returns the policy to train (``info`` gets ``lora_base``)."""
+    if cfg.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if cfg.model.lora is None:
+        return model
+    changed = cfg.sft.enabled and cfg.sft.steps > 0
+    base, write = lora.base_checkpoint(run_dir, cfg.model.path, changed)
+    if write:
+        on_main(lambda: lora.write_base(model, tokenizer, base))
+    info["lora_base"] = str(base)
+    return lora.attach(model, cfg.model.lora, seed=cfg.seed, base=base)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from gspo.config import TrainConfig
-from gspo.core import objectives
+from gspo.core import correction, objectives
 from gspo.core.plan import UpdatePlan, live_rows, plan_update
 from gspo.observe import diagnostics
 from gspo.observe.records import UpdateRecord
@@ -38,6 +38,7 @@ from gspo.observe.timing import StepTimer, breakdown
 from gspo.rewards.isolation import correct_all
 from gspo.rollout.collect import loss_mask, mark_dropped, minibatch_seed
 from gspo.rollout.generate import RolloutBatch
+from gspo.training import lora
 from gspo.training.algorithms import Algorithm
 from gspo.training.passes import LogprobPasses, Minibatch, MinibatchForward
 
@@ -119,6 +120,9 @@ class RLStep:
             old_logp = self.old_logprobs(batch, rows)
         if batch.rollout_logp is not None:
             metrics.update(self.ranks.reduce_metrics(self.mismatch(batch, old_logp), len(rewards)))
+        if batch.rollout_logp is not None and self.cfg.train.old_logprobs == "recompute":
+            advantages, stats = self.correct_rollout(batch, advantages, old_logp)  # π_old vs sampler
+            metrics.update(self.ranks.reduce_metrics(stats, len(rewards)))
         # 4. M minibatch updates of the policy, then what else the algorithm trains (ppo: critic)
         t0 = time.perf_counter()
         self.audit.begin(step)                                          # π_old, if audited
@@ -214,7 +218,8 @@ class RLStep:
         """[N, T] log π_ref for the KL penalty (train.beta > 0), else None."""
         if self.ref_model is None:
             return None
-        return self.passes.logprobs(self.ref_model, batch).logp
+        with lora.reference(self.ref_model):             # LoRA: the same model, adapter off
+            return self.passes.logprobs(self.ref_model, batch).logp
 
     def regularised(self, loss: Tensor, stats: dict, fwd: MinibatchForward, mb: Minibatch,
                     counts: dict, ref_logp: Tensor | None) -> tuple[Tensor, dict]:
@@ -259,6 +264,23 @@ class RLStep:
         else:
             trainer_logp = old_logp
         return diagnostics.logprob_mismatch(batch.rollout_logp, trainer_logp, batch.response_mask)
+
+    def correct_rollout(self, batch: RolloutBatch, advantages: Tensor, old_logp: Tensor
+                        ) -> tuple[Tensor, dict]:
+        """train.rollout_correction: its mask joins the loss mask (batch.extras), its weight scales
+        the advantages (gspo.core.correction.weighted_advantages); mismatch/* stats (mode none:
+        only these)."""
+        cfg = self.cfg.train.rollout_correction
+        mask = loss_mask(batch, self.cfg.train.mask_truncated)                       # [N, T]
+        out = correction.spec(cfg.mode).fn(old_logp, batch.rollout_logp, mask, **cfg.params())
+        values = torch.stack(list(out.stats.values())).tolist()
+        stats = {f"mismatch/{k}": v for k, v in zip(out.stats, values)}
+        if cfg.mode == "none":
+            return advantages, stats
+        batch.extras["correction_mask"] = out.mask.to(mask.dtype)                   # [N, T]
+        advantages = correction.weighted_advantages(advantages, out.weight, mask,
+                                                    per_row=self.spec.sequence_level)
+        return advantages, stats
 
     def length_slices(self, batch: RolloutBatch, rewards: Tensor, advantages: Tensor,
                       old_logp: Tensor, record: UpdateRecord) -> dict:

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from gspo.config import TrainConfig, dump_yaml
 from gspo.errors import Interrupted
-from gspo.models.presets import DTYPES, load_model
+from gspo.models.presets import DTYPES, load_model, resolve_device
 from gspo.observe.metrics import MetricsWriter, NullWriter
 from gspo.observe.records import Recorder
 from gspo.observe.timing import PARTS, breakdown
@@ -33,10 +33,10 @@ from gspo.rewards.isolation import isolated_rewards
 from gspo.rollout.collect import Collector, DataCursor
 from gspo.rollout.data import build_task, eval_examples
 from gspo.rollout.evaluation import EvalResult, evaluate
-from gspo.training import algorithms, distributed
+from gspo.training import algorithms, distributed, lora, provenance
 from gspo.storage import write_atomic, writing
 from gspo.training.checkpoint import load_latest
-from gspo.training.cold_start import initial_policy
+from gspo.training.cold_start import initial_policy, prepare_policy
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
 from gspo.training.rundir import RunLock, claim
@@ -91,21 +91,24 @@ class Trainer:
             self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
                                                                         self.progress)
         self.device = next(self.model.parameters()).device
+        self.model = prepare_policy(self.model, self.tokenizer, cfg, self.run_dir,  # LoRA, act. ckpt
+                                    self.dist.on_main, self.init_info)
         passes = LogprobPasses(self.model, self.dist, temperature=cfg.rollout.temperature,
                                chunk_size=cfg.train.logprob_chunk, group_size=cfg.rollout.group_size,
                                entropy_grad=cfg.train.entropy_coef > 0,
                                routing_replay=cfg.moe.routing_replay, aux_loss=cfg.moe.aux_loss_coef > 0)
         self.ref_model = None
-        if cfg.train.beta > 0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if cfg.train.beta > 0:  # LoRA: the same model, adapter off (lora.reference)
+            self.ref_model = self.model if lora.is_lora(self.model) else \
+                copy.deepcopy(self.model).eval().requires_grad_(False)
         self.dist.wrap(self.model, cfg.dist.strategy)  # rank 0's weights everywhere; fsdp: sharded
         self.optimizer = build_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.schedule, cfg.train.warmup_steps,
                                          cfg.train.steps * cfg.train.minibatches)
         self.cursor = DataCursor(len(self.train_set), cfg.seed)
         self.start_step, self.history, self.wall_before = 0, {}, 0.0
-        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard) if self.dist.is_main \
-            else NullWriter()
+        self.metrics = (MetricsWriter(self.run_dir, cfg.run.trackers, cfg.model_dump(mode="json"))
+                        if self.dist.is_main else NullWriter())
         self.guard: StepGuard = StabilityGuard(
             cfg.guard, cfg.faults, self.model, self.optimizer, self.scheduler, self.run_dir,
             self.metrics, RunControl(self.save_now, self.restore, self.dist.on_main, self.dist.is_main),
@@ -127,6 +130,10 @@ class Trainer:
                               log=self.log, lock=self.run_lock)   # (set up twice: still ours)
         with writing("config.yaml", self.run_dir / "config.yaml"):
             dump_yaml(self.cfg, self.run_dir / "config.yaml")
+        with writing(provenance.FILE, self.run_dir / provenance.FILE):   # what produces this run
+            provenance.write(self.run_dir, provenance.collect(
+                self.cfg, command="train", world_size=self.dist.world,
+                device=str(resolve_device(self.cfg.model.device))), resume=self.resume)
 
     # ----------------------------------------------------------------------------- checkpoints
     def restore_latest(self) -> None:
@@ -144,8 +151,12 @@ class Trainer:
 
     def restore(self, loaded) -> None:
         """Weights, optimizer, scheduler, data position, step and history of a checkpoint."""
-        weights, _ = load_model(loaded.path, DTYPES[self.cfg.model.dtype])
-        self.dist.load_state(self.model, self.optimizer, weights.state_dict(), loaded.optimizer)
+        if lora.is_lora(self.model):   # the checkpoint holds the adapter; the base is unchanged
+            lora.load_adapter(self.model, loaded.path)
+            weights = self.model.state_dict()
+        else:
+            weights = load_model(loaded.path, DTYPES[self.cfg.model.dtype])[0].state_dict()
+        self.dist.load_state(self.model, self.optimizer, weights, loaded.optimizer)
         self.scheduler.load_state_dict(loaded.scheduler)
         state = loaded.state
         self.cursor.load(state["cursor"])

@@ -1,0 +1,24 @@
+"""Optional dependencies, imported when first needed: a missing one is a one-line UserError that
+says how to install it, and an installed one costs no start-up time until it is used (datasets
+and math-verify take seconds to import)."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from gspo.errors import UserError
+
+EXTRA = {"datasets": "data", "math_verify": "data"}  # module -> the pip extra that installs it
+PACKAGE = {"math_verify": "math-verify"}
+
+
+def require(module: str, purpose: str) -> ModuleType:
+    """``import module``, or UserError naming ``purpose`` and the install command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = PACKAGE.get(module, module)
+        extra = EXTRA.get(module)
+        how = f"pip install 'gspo[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+        raise UserError(f"{purpose} needs the {package} package: {how}") from None

@@ -1,0 +1,56 @@
+"""Chat prompts: a task's examples rendered with the tokenizer's chat template.
+
+With ``task.chat: true`` every example's prompt becomes the template's rendering (with
+``add_generation_prompt``) of its conversation: the row's ``messages`` when it has them (a list
+of ``{role, content}``, e.g. from a dataset file), else one user turn holding its ``prompt``;
+``task.system_prompt`` is put first when the conversation has no system turn. The rendered text is
+what rollouts, SFT and evaluation condition on and what reward functions get as ``prompt``; the
+row's ``messages`` stay in its columns. The answer is unchanged: a demonstration is the answer
+followed by EOS, which under chat is the template's end-of-turn token
+(``gspo.rollout.tokenization.use_end_of_turn``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gspo.tasks.base import Example
+
+
+def conversation(example: Example, system_prompt: str | None = None) -> list[dict]:
+    """The example's turns: its ``messages`` or one user turn of its prompt, system prompt first."""
+    messages = example.data.get("messages") or [{"role": "user", "content": example.prompt}]
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def render(tokenizer, example: Example, system_prompt: str | None = None) -> Example:
+    """The example with its prompt rendered by the chat template, ready for the assistant's turn."""
+    text = tokenizer.apply_chat_template(conversation(example, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)
+    return replace(example, prompt=text)
+
+
+class ChatTask:
+    """A task whose splits hold chat-rendered prompts; scoring is the wrapped task's own."""
+
+    def __init__(self, task, tokenizer, system_prompt: str | None = None):
+        self.inner, self.name = task, task.name
+        self.tokenizer, self.system_prompt = tokenizer, system_prompt
+        self._splits: dict[str, list[Example]] = {}
+        for attr in ("locations", "skipped"):  # file tasks: where each row came from
+            if hasattr(task, attr):
+                setattr(self, attr, getattr(task, attr))
+
+    def split(self, name: str) -> list[Example]:
+        if name not in self._splits:
+            self._splits[name] = [render(self.tokenizer, ex, self.system_prompt)
+                                  for ex in self.inner.split(name)]
+        return list(self._splits[name])
+
+    def reward(self, completion: str, example: Example) -> float:
+        return self.inner.reward(completion, example)
+
+    def is_correct(self, completion: str, example: Example) -> bool:
+        return self.inner.is_correct(completion, example)
