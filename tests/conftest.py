@@ -107,6 +107,43 @@ def make_cfg(tmp_path):
     return lambda *overrides, run="run": _small_config(tmp_path, *overrides, run=run)
 
 
+# --------------------------------------------------------------------- comparing two updates
+def linear_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
+                     **_) -> torch.optim.Optimizer:
+    """Test-only stand-in for ``gspo.optim.build_optimizer`` (AdamW): SGD with momentum, whose
+    update is linear in the gradients.
+
+    Tests that two computations of one update agree (2 ranks vs 1 process, the trimmed vs the plain
+    path) round the same gradient differently (other batch shapes, reduction orders, another CPU's
+    kernels: AVX2 vs AVX-512). After SGD the weights then differ by lr x that rounding. AdamW divides
+    by sqrt(v) + 1e-8, so a rounding-sized difference in a near-zero gradient entry becomes an
+    update-sized difference in the weight (up to 2 lr when the sign flips): weights after AdamW
+    can only be compared with a tolerance that depends on the CPU, so these tests never do."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+
+@pytest.fixture
+def linear_updates(monkeypatch):
+    """Trainers built while this fixture is active step with ``linear_optimizer``."""
+    import gspo.trainer
+    monkeypatch.setattr(gspo.trainer, "build_optimizer", linear_optimizer)
+
+
+UPDATE_REL = 1e-3
+"""Two computations of one SGD update agree to this fraction of the largest update. Measured on an
+AMD EPYC (AVX2): 2 ranks vs 1 process (ddp, fsdp) <= 7e-7; trimmed vs plain path <= 8e-6
+(tiny-moe), 2e-6 (tiny-dense): fp32 rounding of the gradients and the weights' own ulp, >100x
+below the limit. A lost or doubled contribution (a rank, a row, a minibatch) is O(0.1-1)."""
+
+
+def update_mismatch(start: dict, a: dict, b: dict) -> float:
+    """max |a - b| over every tensor, as a fraction of the largest update max |a - start|."""
+    moved = max((a[k].float() - start[k].float()).abs().max().item() for k in start)
+    assert moved > 0, "the update did not move the weights"
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in start) / moved
+
+
 def parity_rewards(reward_module: str) -> str:
     """The override that makes ``reward_module`` (module:function) the only reward source."""
     return f"rewards=[{{type: function, fn: '{reward_module}'}}]"

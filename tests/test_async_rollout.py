@@ -182,3 +182,18 @@ def test_config_round_trips_the_async_key(tmp_path):
 def test_behaviour_rows_are_the_groups_with_a_signal():
     r = torch.tensor([1., 1., 1., 0., 1., 0., 2., 2., float("nan"), 1.])
     assert async_rollout.behaviour_rows(r, 2).tolist() == [2, 3, 4, 5, 8, 9]
+
+
+def test_a_bfloat16_sampler_with_correction_is_corrected_against_the_behaviour_policy(
+        make_cfg, reward_module):
+    """rollout.dtype=bfloat16 + tis: the sampler's log-probs (a bf16 copy of π_v, on the worker)
+    are weighed against π_v's float32 log-probs of every row: the mismatch is the dtype's alone,
+    as small as in the synchronous run, not one RL step of training."""
+    extra = ("rollout.dtype=bfloat16", "train.rollout_correction.mode=tis")
+    stale = read_metrics(_run(make_cfg, reward_module, *extra, "rollout.async=true",
+                              "rollout.max_staleness=1", run="bf16-async"))[1:]
+    sync = read_metrics(_run(make_cfg, reward_module, *extra, run="bf16-sync"))[1:]
+    assert [r["async/staleness"] for r in stale] == [0.0, 1.0, 1.0]
+    kl = [r["mismatch/kl"] for r in stale]
+    assert all(0 <= k < 10 * max(r["mismatch/kl"] for r in sync) for k in kl), (kl, sync)
+    assert not _worker_threads()

@@ -108,7 +108,7 @@ def test_eval_prints_json(capsys, saved_tiny):
             "eval.n=4", "eval.k=2", "rollout.max_new_tokens=3"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["checkpoint"] == str(saved_tiny) and result["task"] == "arithmetic"
+    assert result["checkpoint"] == str(saved_tiny) and result["task"] == "multistep"  # the main job's
     assert 0 <= result["accuracy"] <= 1 and 0 <= result["pass@2"] <= 1
     assert result["n"] == 4 and result["k"] == 2
     assert 0 < result["length"] <= 3

@@ -1,6 +1,7 @@
 """Config: defaults, dotted overrides, one-line errors that name the key, and the config hash."""
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from gspo.config import (
     dump_yaml,
     load_config,
     parse_override,
+    shipped_config,
 )
 
 
@@ -42,6 +44,30 @@ def test_shipped_default_yaml_loads():
     assert (cfg.task.name, cfg.objective.name) == ("multistep", "gspo")
     assert cfg.task.params["flawed_fraction"] == 0.5
     assert cfg.batch_size % cfg.train.minibatches == 0
+
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_package_ships_the_repository_default_byte_for_byte():
+    """`pip install .` then `gspo train` (no config, no repository around) runs the package's copy
+    of configs/default.yaml: the two files must not drift apart."""
+    assert shipped_config().read_bytes() == (REPO_CONFIGS / "default.yaml").read_bytes()
+
+
+def test_command_line_without_a_config_runs_the_main_job():
+    from gspo.cli import build_parser, command_config, split_config_and_overrides
+    for command in (["train"], ["sft"], ["eval", "--checkpoint", "x"]):
+        args = build_parser().parse_args([*command, "seed=1"])
+        split_config_and_overrides(args)
+        assert command_config(args) == load_config(REPO_CONFIGS / "default.yaml", ["seed=1"]), command
+
+
+def test_moe_job_is_the_main_job_on_tiny_moe():
+    """configs/moe.yaml adds nothing but the preset (and its folder): without the repository, the
+    same job is `gspo train model.preset=tiny-moe`."""
+    moe = load_config(REPO_CONFIGS / "moe.yaml")
+    assert moe == load_config(shipped_config(), ["model.preset=tiny-moe", "run.dir=runs/moe"])
 
 
 def test_dump_then_load_round_trips(tmp_path):

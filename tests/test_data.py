@@ -69,7 +69,7 @@ def test_bad_row_in_the_test_file(capsys, tmp_path, files):
 def test_built_in_task_too_long_for_the_context(capsys, tmp_path):
     err = _fails(capsys, tmp_path, [f"run.dir={tmp_path / 'run'}", "task.n_train=20", "task.n_test=5",
                                     "rollout.max_new_tokens=600"])
-    assert "task arithmetic train example 1" in err and "context of 512" in err
+    assert "task multistep train example 1" in err and "context of 512" in err   # the main job's
 
 
 def test_skip_policy_drops_counts_and_reports(capsys, tmp_path, files):

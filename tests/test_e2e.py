@@ -36,7 +36,10 @@ def test_custom_jsonl_task_trains_and_improves(tmp_path, monkeypatch):
     assert code == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
-    assert 0.1 <= before <= 0.5            # the cold start imitates the 30% teacher
+    # Margins measured over seeds 0-4 on an AMD EPYC (60 held-out prompts): cold start 0.3, 0.1,
+    # 0.3, 0.3, 0.3; after RL 1.0 in every seed (gain >= 0.7); training reward of step 1 0.13-0.44,
+    # of step 20 0.98-1.0. Each bound below leaves >= 0.2 (and >= 3 binomial std) of room.
+    assert before <= 0.5                   # the cold start imitates the 30% teacher, no better
     assert after >= before + 0.3, (before, after)
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["reward/mean"] > rows[1]["reward/mean"]   # training reward moved too
+    assert rows[-1]["reward/mean"] >= rows[1]["reward/mean"] + 0.3   # training reward moved too

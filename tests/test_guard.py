@@ -1,7 +1,9 @@
 """The stability guard: pure rule evaluation with hand numbers, then each action on tiny runs —
 warn, skip (weights and optimizer exactly as before the step), the default NaN rule, pause (exit 3,
-a resumable checkpoint), roll-back after an injected learning-rate blow-up (held-out accuracy
-recovers; events.jsonl and report.md record it) and the bound on roll-backs."""
+a resumable checkpoint), roll-back after an injected learning-rate blow-up (the weights are the last
+good checkpoint's, training goes on at the scaled lr and stays near them; events.jsonl and report.md
+record it) and the bound on roll-backs. No test here compares held-out accuracies: on 16 prompts
+that is an outcome of sampling, not something the guard guarantees."""
 
 import json
 from pathlib import Path
@@ -301,7 +303,19 @@ BLOWUP = [
     "sft.steps=120", "sft.batch_size=32", "rollout.max_new_tokens=3", "eval.n=16",
     "train.steps=4", "run.eval_every=1", "run.save_every=1",
     "faults.lr_factor=1000", "faults.lr_from_step=3",                  # lr x1000 from step 3
+    "run.keep_checkpoints=5",                                          # all of them, to compare
 ]
+LR = 1e-4  # SMALL's train.lr
+# AdamW moves a weight by about lr per optimizer step (|m̂|/sqrt(v̂) <= 1 for steady gradients, a
+# few at most): this bound on |Δw| for k steps at learning rate lr leaves a wide margin.
+ADAM_STEP_BOUND = 10
+
+
+def _moved_since_step_2(result: dict) -> float:
+    """max |w| change from the step-2 checkpoint (the last before the fault) to the final one."""
+    run = Path(result["cfg"].run.dir)
+    a, b = _weights(_ckpt(run, 2)), _weights(_ckpt(run, 4))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -332,8 +346,11 @@ def test_blowup_without_guard_destroys_the_policy(blowup):
     rows = blowup["unguarded"]["rows"]
     assert rows[3]["optim/lr"] == pytest.approx(0.1)                    # the injected fault
     assert rows[3]["policy/approx_kl"] > 0.5
-    assert rows[4]["eval/accuracy"] < rows[2]["eval/accuracy"]
     assert blowup["unguarded"]["events"] == []
+    # 2 steps x M AdamW steps at lr 0.1: the weights leave the step-2 checkpoint by ~lr (measured
+    # on an AMD EPYC: 0.36, approx_kl 2.4 at step 3), 10x the bound the guarded run stays within
+    steps = 2 * blowup["unguarded"]["cfg"].train.minibatches
+    assert _moved_since_step_2(blowup["unguarded"]) > ADAM_STEP_BOUND * LR * steps * 10
 
 
 def test_guard_rolls_back_and_recovers(blowup):
@@ -349,11 +366,14 @@ def test_guard_rolls_back_and_recovers(blowup):
     assert rows[3]["guard/rollbacks"] == rows[4]["guard/rollbacks"] == 1
     for i in (1, 2):                                                    # before the fault: same run
         assert rows[i]["policy/loss"] == blowup["unguarded"]["rows"][i]["policy/loss"]
-    before_blowup = rows[2]["eval/accuracy"]
-    assert before_blowup > 0
-    assert g["summary"]["eval_after"]["accuracy"] >= before_blowup
-    unguarded = blowup["unguarded"]["summary"]["eval_after"]["accuracy"]
-    assert g["summary"]["eval_after"]["accuracy"] > unguarded
+    for i in (3, 4):                 # training went on from the restored weights, and updated them
+        assert rows[i]["optim/grad_norm"] > 0 and rows[i]["policy/approx_kl"] < 0.5
+    # what the guard guarantees about the policy (not a held-out accuracy, which on 16 prompts is
+    # a draw): the final weights are the step-2 checkpoint's plus 2 steps x M AdamW updates at lr
+    # 1e-4 (measured on an AMD EPYC: 3.9e-4, about lr per step; the bound is 4e-3)
+    steps = 2 * g["cfg"].train.minibatches
+    assert 0 < _moved_since_step_2(g) <= ADAM_STEP_BOUND * LR * steps
+    assert g["summary"]["steps"] == 4
     assert any("rolled back to" in line for line in g["logs"])
     report = build_report(g["cfg"].run.dir).read_text()
     assert "| 3 | trigger | approx_kl | policy/approx_kl |" in report and "| 3 | rollback |" in report

@@ -1,11 +1,13 @@
 """Presets, the character tokenizer, and the transformers round-trip of saved checkpoints."""
 
+import shutil
 import string
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gspo.errors import UserError
 from gspo.models import (
     CHARACTERS,
     available_presets,
@@ -16,6 +18,7 @@ from gspo.models import (
     preset_config,
     save_model,
 )
+from gspo.rewards import ModelReward
 
 # ------------------------------------------------------------------------------- tokenizer
 
@@ -170,6 +173,19 @@ def test_load_model_without_config(tmp_path):
         load_model(tmp_path)
     with pytest.raises(FileNotFoundError):
         load_model(tmp_path / "missing")
+
+
+def test_unreadable_weights_are_a_user_error_naming_the_key(saved_tiny, tmp_path):
+    """What preflight cannot see still ends in one line: a load that fails names the key and folder
+    (here a corrupt file, which preflight would have caught first)."""
+    bad = tmp_path / "bad"
+    shutil.copytree(saved_tiny, bad)
+    (bad / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(UserError, match=f"^model.path: cannot load the checkpoint '{bad}' "
+                                        r"\(SafetensorError: .*header"):
+        load_model(bad, key="model.path")
+    with pytest.raises(UserError, match=r"^reward model 'model_bad': cannot load the checkpoint"):
+        ModelReward(str(bad))
 
 
 def test_character_set_is_exactly_printable():

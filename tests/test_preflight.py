@@ -1,6 +1,7 @@
 """Bad input gets one clear line and exit 2, before any model is built and before anything is written:
 config keys and values, registry names, missing files, the model architecture, the output folder."""
 
+import random
 import shutil
 from collections import namedtuple
 
@@ -97,6 +98,46 @@ def test_pickled_weights_are_refused(capsys, tmp_path):
     assert "model.path:" in err and "no *.safetensors weights" in err
 
 
+@pytest.fixture
+def corrupt(saved_tiny, tmp_path):
+    """A checkpoint folder whose config.json and tokenizer are fine, model.safetensors random bytes."""
+    path = tmp_path / "corrupt"
+    shutil.copytree(saved_tiny, path)
+    (path / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+    return path
+
+
+@pytest.mark.parametrize("argv, command, key", [
+    (["model.path={ckpt}"], "train", "model.path"),
+    (["rewards=[{{type: model, path: '{ckpt}'}}]"], "train", "rewards[0].path"),
+    (["--checkpoint", "{ckpt}"], "eval", "--checkpoint"),
+])
+def test_corrupt_safetensors_is_one_line_naming_the_file(capsys, tmp_path, corrupt, argv, command, key):
+    err = _fails(capsys, tmp_path, *[a.format(ckpt=corrupt) for a in argv], command=command)
+    assert f"{key}: '{corrupt / 'model.safetensors'}' is not a readable safetensors file" in err
+    assert "header too large" in err                             # what safetensors found wrong
+
+
+def test_truncated_safetensors_is_refused(capsys, tmp_path, corrupt, saved_tiny):
+    whole = (saved_tiny / "model.safetensors").read_bytes()
+    (corrupt / "model.safetensors").write_bytes(whole[:len(whole) // 2])   # header intact
+    err = _fails(capsys, tmp_path, f"model.path={corrupt}")
+    assert "is not a readable safetensors file" in err and "not fully covered" in err
+
+
+def test_custom_task_reward_that_raises_is_named_as_the_user_wrote_it(capsys, tmp_path, monkeypatch):
+    (tmp_path / "zerodiv_reward.py").write_text("def score(completion, **row):\n    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for split, rows in (("train", range(4)), ("test", range(4, 6))):
+        (tmp_path / f"{split}.jsonl").write_text(
+            "".join(f'{{"prompt": "q{i}:", "answer": "yes"}}\n' for i in rows))
+    err = _fails(capsys, tmp_path, "task.name=custom", f"task.train_file={tmp_path / 'train.jsonl'}",
+                 f"task.test_file={tmp_path / 'test.jsonl'}", "task.reward=zerodiv_reward:score")
+    assert ("rewards: task.reward 'zerodiv_reward:score' fails on the demonstration of training "
+            "example 1") in err
+    assert "ZeroDivisionError: division by zero" in err and "verifier" not in err
+
+
 @pytest.mark.parametrize("spec, expected", [
     ("no_such_module:fn", "task.reward: cannot import module 'no_such_module'"),
     ("gspo_test_rewards:nope", "task.reward: module 'gspo_test_rewards' has no attribute 'nope'"),
@@ -119,8 +160,9 @@ def test_bad_function_reward_source(capsys, tmp_path, reward_module):
 @pytest.mark.parametrize("override, expected", [
     ("model.overrides={hidden: 64}", "model.overrides: the tiny-dense config has no field 'hidden'"),
     ("moe.routing_replay=rollout", "moe.routing_replay: needs a Mixture-of-Experts model; model type 'qwen3'"),
-    ("task.params={max_digits: 0}", "task.params: arithmetic: max_digits, max_mul_digits must be >= 1"),
-    ("task.params={digits: 2}", "task.params: task 'arithmetic': unexpected argument(s) 'digits'"),
+    # no config file: the main job's task, multistep (configs/default.yaml)
+    ("task.params={max_value: 0}", "task.params: multistep: max_value must be >= 1, got 0"),
+    ("task.params={digits: 2}", "task.params: task 'multistep': unexpected argument(s) 'digits'"),
 ])
 def test_model_and_task_options(capsys, tmp_path, override, expected):
     assert expected in _fails(capsys, tmp_path, override)

@@ -21,27 +21,45 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["SCALES", "available", "best_worst_pairs", "default_scale", "gae", "get",
-           "group_advantages", "register", "rloo_advantages", "whiten"]
+__all__ = ["GAE_FORMULA", "SCALES", "available", "best_worst_pairs", "default_scale", "formula",
+           "gae", "get", "group_advantages", "register", "rloo_advantages", "whiten"]
 
 SCALES = ("group", "batch", "none")
 """What centred rewards are divided by: the group's std (Eq. 6), the batch's std, nothing."""
+DIVISORS = {"group": "std_group(r) + eps", "batch": "std_batch(r) + eps", "none": None}
+"""What each scale divides the centred reward by (`formula`)."""
+GAE_FORMULA = ("δ_t = r_t + γ V_t' − V_t; Â_t = δ_t + γλ Â_t'   (GAE, arXiv 1506.02438 Eq. 16; "
+               "t' the next response token)")
+"""`gae` in one line."""
 
 Estimator = Callable[..., Tensor]
 _REGISTRY: dict[str, Estimator] = {}
 _DEFAULT_SCALE: dict[str, str] = {}
+_CENTRED: dict[str, tuple[str, str]] = {}
 
 
-def register(name: str, *, scale: str) -> Callable[[Estimator], Estimator]:
+def register(name: str, *, scale: str, centred: str | None = None, paper: str = ""
+             ) -> Callable[[Estimator], Estimator]:
     """Decorator: register an estimator `(rewards [N], group_size, *, scale, eps) -> advantages [N]`
-    with the `scale` its paper uses (what `advantage.scale` resolves to when left unset)."""
+    with the `scale` its paper uses (what `advantage.scale` resolves to when left unset), its
+    centred reward in one line (`formula`; left out: the docstring's first line) and citation."""
 
     def decorate(fn: Estimator) -> Estimator:
         _REGISTRY[name] = fn
         _DEFAULT_SCALE[name] = scale
+        _CENTRED[name] = (centred or (fn.__doc__ or name).strip().splitlines()[0], paper)
         return fn
 
     return decorate
+
+
+def formula(name: str, scale: str) -> str:
+    """Estimator `name` at `scale` in one line, e.g. 'Â_i = (r_i − mean_group(r)) /
+    (std_group(r) + eps)  [GSPO Eq. 6 ...]' (what a run's provenance.json records)."""
+    get(name)
+    (centred, paper), divisor = _CENTRED[name], DIVISORS[scale]
+    body = f"({centred}) / ({divisor})" if divisor else centred
+    return f"Â_i = {body}" + (f"  [{paper}]" if paper else "")
 
 
 def default_scale(name: str) -> str:
@@ -62,7 +80,8 @@ def get(name: str) -> Estimator:
     return _REGISTRY[name]
 
 
-@register("group", scale="group")
+@register("group", scale="group", centred="r_i − mean_group(r)",
+          paper="GSPO Eq. 6, arXiv 2507.18071; scale none: Dr. GRPO, arXiv 2503.20783")
 def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
                      eps: float = 1e-6) -> Tensor:
     """Â_i = (r_i − mean_group(r)) / (std + eps), one vectorised pass over rewards.view(P, G).
@@ -85,7 +104,8 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group",
     return torch.where(flat, torch.zeros_like(centred), centred).view(-1)  # [N]
 
 
-@register("rloo", scale="none")
+@register("rloo", scale="none", centred="r_i − mean_{j≠i} r_j",
+          paper="RLOO, arXiv 2402.14740 Eq. 5")
 def rloo_advantages(rewards: Tensor, group_size: int, *, scale: str = "none",
                     eps: float = 1e-6) -> Tensor:
     """RLOO: Â_i = r_i − mean_{j≠i} r_j, the mean of the OTHER responses of i's group as baseline

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gspo import objectives
-from gspo.advantages import best_worst_pairs, gae, whiten
+from gspo.advantages import GAE_FORMULA, best_worst_pairs, formula, gae, whiten
 from gspo.isolation import advantages_with_drops
 from gspo.objectives import dpo_loss, sequence_logprobs
 from gspo.optim import build_optimizer, build_scheduler, clipped_step
@@ -62,6 +62,9 @@ class Algorithm(Protocol):
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         """After the policy's update (instead of it when ``objective`` is None): metrics."""
+
+    def advantage_estimator(self) -> dict:
+        """JSON-able: which advantages this algorithm computes and with what (provenance.json)."""
 
     def state_dict(self) -> dict:
         """JSON-able state for trainer_state.json."""
@@ -96,6 +99,12 @@ class GroupRelative:
         return advantages_with_drops(batch, rewards, self.cfg.rollout.group_size, scale=a.scale,
                                      eps=a.eps, estimator=a.estimator)                # [N]
 
+    def advantage_estimator(self) -> dict:
+        a = self.cfg.advantage
+        return {"name": a.estimator, "formula": formula(a.estimator, a.scale), "scale": a.scale,
+                "eps": a.eps, "group_size": self.cfg.rollout.group_size,
+                "reward_on_error": self.cfg.reward.on_error}
+
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         return {}
 
@@ -128,6 +137,12 @@ class PPO:
     def __init__(self, cfg):
         self.cfg, self.p = cfg, cfg.ppo
         self._pending: dict = {}
+
+    def advantage_estimator(self) -> dict:
+        p = self.p
+        return {"name": "gae", "formula": GAE_FORMULA, "gamma": p.gamma, "lam": p.lam,
+                "whiten": p.whiten_advantages, "kl_in_reward": p.kl_in_reward,
+                "kl_coef": p.kl_coef, "value_clip": p.value_clip, "critic_lr": p.critic_lr}
 
     def setup(self, trainer) -> None:
         _single_process(trainer, "ppo")
@@ -227,6 +242,9 @@ class SFTBaseline:
         self.cfg = cfg
         self._lengths: dict[int, int] = {}
 
+    def advantage_estimator(self) -> dict:
+        return {"name": "none", "formula": "no advantages: supervised steps on demonstrations"}
+
     def setup(self, trainer) -> None:
         from gspo.trainer import DataCursor
         _single_process(trainer, "sft")
@@ -301,6 +319,10 @@ class OnlineDPO:
 
     def __init__(self, cfg):
         self.cfg = cfg
+
+    def advantage_estimator(self) -> dict:
+        return {"name": "none", "formula": "no advantages: DPO on each group's best-vs-worst "
+                                           "reward pair"}
 
     def setup(self, trainer) -> None:
         _single_process(trainer, "dpo")

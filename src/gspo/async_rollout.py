@@ -191,6 +191,7 @@ class AsyncSource:
         worker = copy.copy(trainer)               # shares config, task, rewards; owns the rest:
         worker.model = copy.deepcopy(trainer.model).requires_grad_(False)
         worker.cursor = copy.deepcopy(trainer.cursor)
+        worker.sampler_engine = None              # its own sampling engine, built on worker.model
         self._thread = threading.Thread(target=self._serve, args=(worker, step), daemon=True,
                                         name="gspo-rollout")
         self._thread.start()
@@ -230,12 +231,14 @@ class AsyncSource:
     @staticmethod
     def _behaviour_logp(worker, batch, rewards) -> None:
         """π_old of a stale batch under the weights that sampled it (``worker.model``), for the
-        rows that may carry a gradient (all rows when the trainer would forward every row)."""
+        rows that may carry a gradient (all rows when the trainer would forward every row, or
+        when the generator's log-probs are kept: the mismatch metrics and correction read them all)."""
         if batch is None or worker.cfg.train.old_logprobs == "rollout":  # rollout: π_v's already
             return
         t = worker.cfg.train
         skip = (t.skip_zero_advantage and worker.spec.zero_at_zero_advantage
                 and worker.ref_model is None and t.entropy_coef == 0
                 and worker.cfg.moe.aux_loss_coef == 0)
-        rows = behaviour_rows(rewards, worker.cfg.rollout.group_size) if skip else None
+        every_row = not skip or batch.rollout_logp is not None   # mismatch metrics read every row
+        rows = None if every_row else behaviour_rows(rewards, worker.cfg.rollout.group_size)
         batch.extras["behaviour_logp"] = worker.old_logprobs(batch, rows=rows)   # [N, T]

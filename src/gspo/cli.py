@@ -36,13 +36,26 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _config(args, default: str | None = None):
-    from gspo.config import load_config
-    path = args.config if args.config else default
-    return load_config(path, args.overrides)
+def command_config(args):
+    """The config file given, else the main job shipped in the package (gspo/configs/default.yaml),
+    with the overrides applied. (The code defaults of ``TrainConfig`` are only the base that every
+    file overrides; the command line never runs them bare.)"""
+    from gspo.config import load_config, shipped_config
+    return load_config(args.config or shipped_config(), args.overrides)
 
 
-def _split_config_and_overrides(args) -> None:
+def _warn(message: str) -> None:
+    print(f"gspo: warning: {message}", file=sys.stderr)
+
+
+def _provenance(cfg, command: str):
+    """This process's provenance (gspo.provenance) for ``cfg`` on its resolved device."""
+    from gspo import provenance
+    from gspo.trainer import resolve_device
+    return provenance.collect(cfg, command=command, device=str(resolve_device(cfg.model.device)))
+
+
+def split_config_and_overrides(args) -> None:
     """`gspo train a.yaml k=v` and `gspo train k=v` both work: the config is the arg without '='."""
     items = ([args.config] if args.config else []) + list(args.overrides)
     configs = [x for x in items if "=" not in x]
@@ -54,7 +67,7 @@ def _split_config_and_overrides(args) -> None:
 
 # --------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
-    from gspo import distributed
+    from gspo import distributed, provenance
     from gspo.guard import GuardPause
     from gspo.preflight import check_rewards, check_train, user_input
     from gspo.report import build_report
@@ -67,11 +80,14 @@ def cmd_train(args) -> int:
             if not run_cfg.is_file():
                 raise UserError(f"--resume {args.resume}: no config.yaml (not a gspo run folder)")
             args.config = str(run_cfg)
-        cfg = _config(args)
+        cfg = command_config(args)
         if args.resume:
             cfg.run.dir = args.resume
         check_train(cfg, resume=bool(args.resume))
         ranks = distributed.init_from_env(cfg.dist.timeout_s)  # under torchrun (docs/distributed.md)
+        if args.resume:  # another objective definition: exit 2; other code or libraries: warn
+            provenance.check(args.resume, _provenance(cfg, "train"), action="resume",
+                             warn=_warn if ranks.is_main else lambda m: None)
         trainer = Trainer(cfg, resume=bool(args.resume))
         check_rewards(trainer.rewards, trainer.train_set)
     reported = (f"training finished (summary.json and the final checkpoint are saved): free "
@@ -102,40 +118,51 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    from gspo import provenance
     from gspo.models import save_model
     from gspo.preflight import check_files, check_model, user_input
     from gspo.trainer import build_task, initial_policy
     with user_input():
-        cfg = _config(args)
+        cfg = command_config(args)
         check_files(cfg)
         check_model(cfg)
         task = build_task(cfg)
+        prov = _provenance(cfg, "sft")
+        if args.out:
+            provenance.write(args.out, prov)
     model, tokenizer, info = initial_policy(cfg, task, log=lambda m: print(m, file=sys.stderr))
     if args.out:
         save_model(model, tokenizer, args.out)
         info["checkpoint"] = args.out
-    print(json.dumps(info, indent=1))
+    print(json.dumps({**info, "provenance": provenance.summary(prov)}, indent=1))
     return 0
 
 
 def cmd_eval(args) -> int:
+    from gspo import provenance
     from gspo.evaluation import evaluate
     from gspo.models import load_model
     from gspo.preflight import check_checkpoint, user_input
     from gspo.data import eval_examples
     from gspo.trainer import DTYPES, build_task, resolve_device
     with user_input():
-        cfg = _config(args)
+        cfg = command_config(args)
         check_checkpoint("--checkpoint", args.checkpoint)
         task = build_task(cfg)
-    model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype])
+        prov = _provenance(cfg, "eval")
+        if args.out:
+            provenance.write(args.out, prov)
+    model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype], key="--checkpoint")
     model.to(resolve_device(cfg.model.device))
     tests = eval_examples(task, cfg)
     result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
                       k=cfg.eval.k, temperature=cfg.eval.temperature,
                       batch_size=cfg.eval.batch_size, seed=cfg.seed)
-    print(json.dumps({"checkpoint": args.checkpoint, "task": cfg.task.name, **result.as_dict()},
-                     indent=1))
+    out = {"checkpoint": args.checkpoint, "task": cfg.task.name, **result.as_dict(),
+           "provenance": provenance.summary(prov)}
+    if args.out:
+        (Path(args.out) / "eval.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
     return 0
 
 
@@ -149,15 +176,22 @@ def cmd_compare(args) -> int:
     if args.jobs < 1 or args.seeds < 1:
         raise UserError(f"--jobs and --seeds must be >= 1, got {args.jobs}, {args.seeds}")
     out = run_suite(args.suite, seeds=args.seeds, quick=args.quick, out=args.out,
-                    extra=args.extra, only=only, tune=not args.no_tune, jobs=args.jobs)
+                    extra=args.extra, only=only, tune=not args.no_tune, jobs=args.jobs,
+                    allow_mixed_commits=args.allow_mixed_commits)
     print(f"comparison: {out}/report.md  ({out}/results.json, {out}/plots/)")
     return 0
 
 
 def cmd_audit(args) -> int:
+    from gspo import provenance
     from gspo.audit import EXIT_MISMATCH, Tolerances, run_audit
+    from gspo.config import load_config
     if not Path(args.run_dir).is_dir():
         raise UserError(f"{args.run_dir}: no such run folder")
+    run_cfg = Path(args.run_dir) / "config.yaml"
+    if run_cfg.is_file():  # the run's objective under today's registry vs the one it recorded
+        now = provenance.collect(load_config(run_cfg), command="audit", device="cpu")  # audits: CPU
+        provenance.check(args.run_dir, now, action="audit", warn=_warn)
     tol = Tolerances(logp=args.tol, ratio=args.tol) if args.tol is not None else Tolerances()
     return 0 if run_audit(args.run_dir, args.step, tol) else EXIT_MISMATCH
 
@@ -174,7 +208,8 @@ def cmd_report(args) -> int:
 
 # --------------------------------------------------------------------------------- parser
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
+    p.add_argument("config", nargs="?", help="YAML config (default: the main job, "
+                   "the package's copy of configs/default.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 seed=1")
 
 
@@ -192,12 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="only the cold-start SFT stage (cached by config)",
                        description="Run (or reuse) the cold-start SFT and print where it is.")
     _add_config_args(p)
-    p.add_argument("--out", help="also save the SFT model to this directory")
+    p.add_argument("--out", help="also save the SFT model to this directory (and, at the start, "
+                                 "OUT/provenance.json)")
     p.set_defaults(fn=cmd_sft)
     p = sub.add_parser("eval", help="held-out accuracy / pass@k of any checkpoint",
                        description="Evaluate a checkpoint on the configured task's test split.")
     _add_config_args(p)
     p.add_argument("--checkpoint", required=True, help="transformers checkpoint directory")
+    p.add_argument("--out", help="also write OUT/provenance.json (at the start) and OUT/eval.json")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("report", help="rebuild report.md and plots of a run",
                        description="Rebuild RUN_DIR/report.md and RUN_DIR/plots/*.png from its metrics.")
@@ -219,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs at a time, each in a worker process with cores/jobs threads (default 1)")
     p.add_argument("--no-tune", action="store_true",
                    help="skip the suite's validation grid: every variant at its paper defaults")
+    p.add_argument("--allow-mixed-commits", action="store_true",
+                   help="tabulate runs made by different code (git commit or uncommitted changes); "
+                        "refused by default")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("audit", help="recompute the recorded steps of a run (audit.every=K)",
                        description="Reload π_old / π_new of recorded steps and recompute old "
@@ -237,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         if hasattr(args, "overrides"):
-            _split_config_and_overrides(args)
+            split_config_and_overrides(args)
         return args.fn(args)
     except _user_errors() as err:
         print(f"gspo: error: {err}", file=sys.stderr)

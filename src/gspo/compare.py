@@ -18,6 +18,7 @@ jobs threads, its output in ``OUT/logs/``); a finished run whose resolved config
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -30,6 +31,7 @@ from typing import Callable
 import yaml
 from pydantic import Field
 
+from gspo import provenance
 from gspo.config import ConfigError, Section, TrainConfig, load_config, read_yaml
 from gspo.errors import UserError
 from gspo.metrics import read_metrics
@@ -251,9 +253,10 @@ def choose(scores: list[dict]) -> int:
 def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
               out: str | Path | None = None, extra: list[str] = (),
               only: list[str] | None = None, tune: bool = True, jobs: int = 1,
-              log: Callable[[str], None] | None = None) -> Path:
+              allow_mixed_commits: bool = False, log: Callable[[str], None] | None = None) -> Path:
     """Tune (validation split), train every variant x seed (reusing finished runs), then write
-    results and report."""
+    results and report. Runs made by different code (``gspo.provenance.code_id``) are refused
+    unless ``allow_mixed_commits``."""
     from gspo.compare_report import write_report
     log = log or (lambda m: print(m, file=sys.stderr))
     suite_file = Path(suite_file)
@@ -275,6 +278,10 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
     for v in variants:  # every test config validates before the first run (with any candidate)
         for cand in (suite.tune.grid[v.name] if v in tuned else [[]]):
             config(v, 0, chosen=cand)
+    provenance.write(out, provenance.collect(command="compare", extra={"suite": {
+        "file": str(suite_file), "sha256": hashlib.sha256(suite_file.read_bytes()).hexdigest(),
+        "seeds": seeds, "quick": quick, "extra": list(extra), "tune": tune,
+        "variants": [v.name for v in variants]}}))
     train_all({f"tune {n} candidate {i} seed {k}": c for (n, i, k), c in grid.items()}, jobs, log,
               out / "logs")
     tuning, chosen = {}, {}
@@ -291,13 +298,34 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
     configs = {(v.name, k): config(v, k, chosen=chosen.get(v.name, [])) for v in variants for k in range(seeds)}
     train_all({f"{n} seed {k}": c for (n, k), c in configs.items()}, jobs, log, out / "logs")
     runs = {v.name: [Path(configs[v.name, k].run.dir) for k in range(seeds)] for v in variants}
+    code = one_code({**{f"tune {n} candidate {i} seed {k}": Path(c.run.dir)
+                        for (n, i, k), c in grid.items()},
+                     **{f"{n} seed {k}": Path(c.run.dir) for (n, k), c in configs.items()}},
+                    allow_mixed_commits, log)
     results = collect(suite, runs, quick=quick, suite_file=str(suite_file), extra=list(extra),
                       chosen=chosen)
+    results["code"] = code
     results["tuning"] = {"enabled": tune, "seeds": suite.tune.seeds, "last_evals": suite.tune.last_evals,
                          "overrides": suite.tune.overrides, "variants": tuning}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     write_report(results, runs, out)
     return out
+
+
+def one_code(runs: dict[str, Path], allow_mixed: bool, log: Callable[[str], None]) -> dict:
+    """{code id: run labels} of the runs (``gspo.provenance.mixed_code``); more than one code is
+    a UserError naming them, or with ``allow_mixed`` a logged warning."""
+    by_code = provenance.mixed_code(runs)
+    if len(by_code) > 1:
+        def some(labels: list[str]) -> str:
+            more = f" and {len(labels) - 3} more" if len(labels) > 3 else ""
+            return ", ".join(labels[:3]) + more
+        what = "; ".join(f"{code}: {some(labels)}" for code, labels in by_code.items())
+        if not allow_mixed:
+            raise UserError(f"compare: the runs come from different code ({what}); retrain the "
+                            "stale ones (remove their folders) or pass --allow-mixed-commits")
+        log(f"compare: warning: mixing runs of different code ({what})")
+    return by_code
 
 
 # --------------------------------------------------------------------------------- aggregation

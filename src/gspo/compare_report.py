@@ -149,6 +149,18 @@ def resolution(tuning: dict) -> list[str]:
     return ["Resolution of the grid: " + " ".join(f"{x}" for x in out)] if out else []
 
 
+def code_line(results: dict) -> str:
+    """Which code made the runs: one commit, or (--allow-mixed-commits) each code and its runs."""
+    by_code = results.get("code") or {}
+    if not by_code:
+        return "Code: not recorded."
+    if len(by_code) == 1:
+        return (f"Code: every run made at commit `{next(iter(by_code))}` "
+                "(each run's provenance.json).")
+    return ("**Mixed code** (--allow-mixed-commits): "
+            + "; ".join(f"`{code}`: {', '.join(labels)}" for code, labels in by_code.items()) + ".")
+
+
 def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> Path:
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -170,7 +182,7 @@ def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> P
     lines += [f"* **{n}**: `{' '.join(v['overrides'] + v.get('tuned_overrides', [])) or '(base)'}`"
               + (" (the last ones chosen on the validation split)" if v.get("tuned_overrides") else "")
               for n, v in results["variants"].items()]
-    lines += ["", *tuning_section(results.get("tuning") or {}), "",
+    lines += ["", code_line(results), "", *tuning_section(results.get("tuning") or {}), "",
               "## Results", "", *table(results), "",
               "Mean ± sample std over seeds. *Final*: last held-out evaluation; *best*: the highest "
               "one (cold start included). *Steps to* the threshold: first evaluated RL step at or "

@@ -4,6 +4,9 @@ One pydantic model per command (``TrainConfig`` for ``gspo train``; ``gspo sft``
 ``gspo eval`` read the same sections). Every field carries a docstring, unknown keys are errors
 with a "did you mean", and all of it is checked before any model is built.
 ``ConfigError`` carries a one-line, user-facing message; the CLI prints it and exits 2.
+The field defaults are the base every config file overrides, not a job of their own: the main
+job is ``configs/default.yaml``, shipped in the package (``shipped_config()``), which ``gspo train``
+/ ``sft`` / ``eval`` read when no config file is given.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import hashlib
 import json
 import os
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gspo import advantages, presets
+from gspo import advantages, correction, presets
 from gspo.errors import UserError
 
 
@@ -161,6 +165,8 @@ class RolloutConfig(Section):
     """Nucleus sampling (1.0: off). Log-probs ignore it, as in the paper."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0: off)."""
+    dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
+    """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
     async_: bool = Field(False, alias="async")
     """rollout.async: generate, score and take π_old of the next batches in a worker thread with its own copy of the policy while the trainer trains on this one (gspo.async_rollout, docs/performance.md). The batch of step k is sampled by the weights after step k - max_staleness, always (so runs are reproducible and resume exactly); one torch thread per side on CPU."""
     max_staleness: int = Field(1, ge=0)
@@ -265,6 +271,42 @@ class DPOConfig(Section):
     """objective.name=dpo: β of the DPO loss −log σ(β[(log π_θ − log π_ref)(y_w) − (log π_θ − log π_ref)(y_l)]) (0.1, as arXiv 2305.18290's experiments and TRL's DPOConfig)."""
 
 
+class RolloutCorrectionConfig(Section):
+    mode: str = "none"
+    """Weight or mask the policy loss by π_old/π_rollout, the trainer's recomputed log-probs over the sampler's (gspo.correction, docs/math.md): none | tis (token weight min(ρ_t, cap)) | seq_tis (response weight min(ρ_i, cap), ρ_i the geometric mean) | seq_mask (drop a response unless low ≤ ρ_i ≤ high) | icepop (drop a token unless low ≤ ρ_t ≤ high). Anything but none asks the sampler for its log-probs and logs mismatch/kl, ratio_min, ratio_max, masked_frac, is_weight_mean."""
+    cap: float | None = Field(None, gt=0)
+    """tis, seq_tis: the truncation C of the importance weight (None: 2.0)."""
+    low: float | None = Field(None, ge=0)
+    """seq_mask, icepop: the lowest ratio kept (None: 0.5)."""
+    high: float | None = Field(None, gt=0)
+    """seq_mask, icepop: the highest ratio kept (None: 2.0)."""
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, name: str) -> str:
+        return one_of("rollout correction", name, correction.available())
+
+    @model_validator(mode="after")
+    def _params(self) -> "RolloutCorrectionConfig":
+        if self.mode not in correction.available():  # the mode itself failed
+            return self
+        defaults = correction.spec(self.mode).defaults
+        for key in ("cap", "low", "high"):
+            if getattr(self, key) is not None and key not in defaults:
+                raise ValueError(f"rollout correction {self.mode!r} has no parameter {key!r}; "
+                                 f"valid: {', '.join(defaults) or 'none'}")
+        params = self.params()
+        if "low" in params and params["low"] >= params["high"]:
+            raise ValueError(f"rollout correction {self.mode!r}: low={params['low']} must be "
+                             f"below high={params['high']}")
+        return self
+
+    def params(self) -> dict[str, float]:
+        """The mode's parameters, defaults filled in."""
+        defaults = correction.spec(self.mode).defaults
+        return {k: v if getattr(self, k) is None else getattr(self, k) for k, v in defaults.items()}
+
+
 class TrainLoopConfig(Section):
     steps: int = Field(100, ge=0)
     """RL steps (one rollout batch each)."""
@@ -296,6 +338,8 @@ class TrainLoopConfig(Section):
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
     log_rollout_logprobs: bool = False
     """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Rollout-mismatch correction (off by default): see its mode."""
     skip_zero_advantage: bool = True
     """Skip the old-log-prob and training forward/backward of responses with Â = 0 (zero-variance groups) or an empty loss mask: every objective's loss is 0 there, so the update is the same. They enter the loss with ratio 1; entropy and MoE metrics cover the rows trained on. Off by itself with beta > 0, entropy_coef > 0, moe.aux_loss_coef > 0 or an audited step."""
 
@@ -481,6 +525,10 @@ class TrainConfig(Section):
         if self.moe.routing_replay == "old" and self.train.old_logprobs != "recompute":
             raise ValueError("moe.routing_replay=old captures experts in the recomputed old-log-prob "
                              "pass: it needs train.old_logprobs=recompute (or use routing_replay=rollout)")
+        self._check_rollout_correction()
+        if self.rollout.dtype not in ("model", self.model.dtype) and self.moe.routing_replay == "rollout":
+            raise ValueError(f"rollout.dtype={self.rollout.dtype} samples with a copy of the policy, whose "
+                             f"experts moe.routing_replay=rollout cannot capture: use rollout.dtype=model")
         if self.rollout.async_:
             async_refusal(self)
         if self.train.beta == 0 and any(r.kind == "kl_ref" for r in self.guard.rules):
@@ -491,6 +539,16 @@ class TrainConfig(Section):
                 if getattr(self.task, key) is None:
                     raise ValueError(f"task.{key} is required when task.name=custom")
         return self
+
+    def _check_rollout_correction(self) -> None:
+        """A correction weighs a recomputed π_old against the sampler's log-probs."""
+        mode = self.train.rollout_correction.mode
+        if mode != "none" and self.train.old_logprobs != "recompute":
+            raise ValueError(f"train.rollout_correction.mode={mode} weighs the trainer's π_old against the "
+                             f"sampler's log-probs: it needs train.old_logprobs=recompute")
+        if mode != "none" and self.audit.every:
+            raise ValueError(f"train.rollout_correction.mode={mode} changes the loss mask and advantages, "
+                             f"which `gspo audit` does not re-derive yet: use audit.every=0")
 
     @property
     def batch_size(self) -> int:
@@ -574,6 +632,13 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], source
         return f"{source}: {msg}"
     got = first.get("input")
     return f"{source}: {key}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})")
+
+
+def shipped_config(name: str = "default.yaml") -> Path:
+    """A config file inside the installed package (``gspo/configs/<name>``, a byte copy of the
+    repository's ``configs/<name>``). ``default.yaml`` is the main job: what ``gspo train``,
+    ``gspo sft`` and ``gspo eval`` read when no config file is given, also outside the repository."""
+    return Path(str(resources.files("gspo") / "configs" / name))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),

@@ -145,6 +145,7 @@ class GuardedSource:
 
     def __init__(self, source, caller: TimedCaller):
         self.source, self.name, self.caller = source, source.name, caller
+        self.label = getattr(source, "label", repr(source.name))  # in messages: as the config says
         self.per_sample = getattr(source, "per_sample", False)
 
     def __call__(self, completions: list[str], examples: list) -> tuple[list[float], dict[int, str]]:
@@ -204,7 +205,7 @@ class GuardedReward:
         for source, weight in self.sources:
             values, faults = source(completions, examples)
             for i, reason in faults.items():
-                self._report(source.name, i, completions[i], examples[i], reason)
+                self._report(source, i, completions[i], examples[i], reason)
             r = torch.tensor(values, dtype=torch.float32)                  # [N], NaN where failed
             if faults:
                 failed[list(faults)] = True
@@ -216,8 +217,9 @@ class GuardedReward:
             total[failed] = math.nan
         return RewardResult(total=total, per_source=per_source, errors=failed)
 
-    def _report(self, name: str, i: int, completion: str, example, reason: str) -> None:
-        what = (f"reward {name!r} failed on sample {i} (prompt {example.prompt[:60]!r}, "
+    def _report(self, source: GuardedSource, i: int, completion: str, example, reason: str) -> None:
+        name = source.name
+        what = (f"reward {source.label} failed on sample {i} (prompt {example.prompt[:60]!r}, "
                 f"completion {completion[:60]!r}): {reason}")
         if self.on_error == "fail":
             raise RewardError(f"{what}. reward.on_error=fail: fix the reward, or set "
@@ -259,7 +261,9 @@ class GuardedTask:
         if isinstance(error, RewardError) or not isinstance(error, (Exception, SystemExit)):
             raise error
         if self.on_error == "fail":
-            raise RewardError(f"task {self.inner.name!r} {what} failed (prompt "
+            spec = getattr(self.inner, "reward_spec", None)    # a custom task: the user's function
+            who = f"task.reward {spec!r} ({what})" if spec else f"task {self.inner.name!r} {what}"
+            raise RewardError(f"{who} failed (prompt "
                               f"{example.prompt[:60]!r}, completion {completion[:60]!r}): "
                               f"{describe(error)}. reward.on_error=fail") from None
         return failed

@@ -11,11 +11,13 @@ This module deliberately does not know about training; it only builds, loads and
 
 from __future__ import annotations
 
+import contextlib
 import string
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers import models as tk_models
 from transformers import (
@@ -28,6 +30,8 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+
+from gspo.errors import UserError
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -121,16 +125,38 @@ def build_model(preset: str, seed: int, overrides: dict | None = None,
     return model, tokenizer
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32
+# What safetensors / transformers raise on a checkpoint they cannot read: a corrupt or truncated
+# weights file, a config.json or tokenizer file that does not parse, weights that do not fit the
+# architecture config.json describes.
+LOAD_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)
+
+
+@contextlib.contextmanager
+def reading_checkpoint(key: str, path: str | Path):
+    """Within: a checkpoint load that fails is the user's input, one line naming ``key`` (the
+    config key or flag that gave ``path``), the folder and what the library said."""
+    try:
+        yield
+    except UserError:
+        raise
+    except LOAD_ERRORS as err:
+        lines = str(err).strip().splitlines()
+        reason = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+        raise UserError(f"{key}: cannot load the checkpoint {str(path)!r} ({reason})") from None
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, key: str = "checkpoint"
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Any local causal-LM checkpoint directory (transformers format); never downloads."""
+    """Any local causal-LM checkpoint directory (transformers format); never downloads. One that
+    cannot be read is a UserError naming ``key`` (e.g. model.path)."""
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.path: {path} is not a transformers checkpoint (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    # safetensors only: a pickled pytorch_model.bin is refused, never unpickled
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                 use_safetensors=True)
+        raise FileNotFoundError(f"{key}: {path} is not a transformers checkpoint (no config.json)")
+    with reading_checkpoint(key, path):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # safetensors only: a pickled pytorch_model.bin is refused, never unpickled
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                     use_safetensors=True)
     if tokenizer.pad_token_id is None:  # many causal LMs ship without one; EOS is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

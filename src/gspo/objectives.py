@@ -37,7 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "AGGREGATIONS", "LOG_RATIO_LIMIT", "ObjectiveSpec", "aggregate", "available", "dpo_loss", "get",
-    "kl_k3", "masked_mean", "register", "sequence_logprobs", "spec",
+    "kl_k3", "masked_mean", "register", "resolve", "sequence_logprobs", "spec",
 ]
 
 AGGREGATIONS = ("seq-mean", "seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
@@ -70,14 +70,19 @@ class ObjectiveSpec:
     zero_at_zero_advantage: bool = True
     """Loss and gradient are exactly 0 on a response with Â = 0 (every token, any ratio): the
     trainer may then skip such rows (``train.skip_zero_advantage``, gspo.plan). False: it never does."""
+    equations: str = ""
+    """The loss as implemented, in one line of the docs/math.md notation (what a run's
+    provenance.json locks: a change of it is a different objective)."""
 
 
 _REGISTRY: dict[str, ObjectiveSpec] = {}
 
 
 def register(name: str, *, sequence_level: bool, paper: str, zero_at_zero_advantage: bool = True,
-             **defaults: object):
-    """Decorator: register `fn` as `name` with its paper defaults (eps_low, eps_high, aggregation…).
+             equations: str | None = None, **defaults: object):
+    """Decorator: register `fn` as `name` with its citation, its loss in one line (`equations`;
+    left out: the first line of `fn`'s docstring) and its paper defaults (eps_low, eps_high,
+    aggregation…).
 
     ``zero_at_zero_advantage``: whether the loss is proportional to Â (0 in value and gradient where
     Â = 0); the row-skipping path reads it from the spec (tests/test_objectives.py checks it)."""
@@ -98,8 +103,10 @@ def register(name: str, *, sequence_level: bool, paper: str, zero_at_zero_advant
             given = {k: v for k, v in kwargs.items() if v is not None}
             return fn(logp, old_logp, advantages, mask, **{**defaults, **given})
 
+        summary = (inspect.getdoc(fn) or name).splitlines()[0]
         _REGISTRY[name] = ObjectiveSpec(name, with_defaults, MappingProxyType(dict(defaults)),
-                                        sequence_level, paper, zero_at_zero_advantage)
+                                        sequence_level, paper, zero_at_zero_advantage,
+                                        equations or summary)
         return with_defaults
 
     return decorate
@@ -115,6 +122,11 @@ def spec(name: str) -> ObjectiveSpec:
     if name not in _REGISTRY:
         raise ValueError(f"unknown objective {name!r}; valid: {', '.join(available())}")
     return _REGISTRY[name]
+
+
+def resolve(name: str, **given: object) -> dict[str, object]:
+    """The hyper-parameters `name` runs with: its defaults, overridden by the non-None `given`."""
+    return {**spec(name).defaults, **{k: v for k, v in given.items() if v is not None}}
 
 
 def get(name: str) -> Objective:
@@ -266,7 +278,9 @@ def _stats(ratio: Tensor, clip_low: Tensor, clip_high: Tensor, log_r: Tensor, ma
 # ----------------------------------------------------------------------------- objectives
 
 @register("gspo", eps_low=3e-4, eps_high=4e-4, aggregation="seq-mean", sequence_level=True,
-          paper="arXiv 2507.18071 (Zheng et al., GSPO) Eq. 5, 7; gradient Eq. 10; ε 3e-4/4e-4 §5.1")
+          paper="arXiv 2507.18071 (Zheng et al., GSPO) Eq. 5, 7; gradient Eq. 10; ε 3e-4/4e-4 §5.1",
+          equations="s_i = exp((1/|y_i|) Σ_t log r_it), r_it = π_θ(y_it)/π_old(y_it); "
+                    "ℓ_i = −min(s_i Â_i, clip(s_i, 1−ε_low, 1+ε_high) Â_i)")
 def gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
          eps_low: float, eps_high: float, aggregation: str,
          num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):
@@ -300,7 +314,9 @@ def _sequence_clipped(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
 
 @register("luspo", eps_low=3e-4, eps_high=4e-4, aggregation="seq-mean", sequence_level=True,
           paper="arXiv 2602.05261 (Liu et al., LUSPO): GSPO's per-response loss multiplied by the "
-                "response length |y_i| (equation as read in docs/math.md); ε as GSPO §5.1")
+                "response length |y_i| (equation as read in docs/math.md); ε as GSPO §5.1",
+          equations="ℓ_i = −|y_i| · min(s_i Â_i, clip(s_i, 1−ε_low, 1+ε_high) Â_i), "
+                    "s_i as GSPO")
 def luspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
           eps_low: float, eps_high: float, aggregation: str,
           num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):
@@ -323,7 +339,9 @@ def luspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
 
 @register("gspo_token", eps_low=3e-4, eps_high=4e-4, aggregation="seq-mean-token-mean",
           sequence_level=True,
-          paper="arXiv 2507.18071 (Zheng et al., GSPO-token) Eq. 13-14; gradient Eq. 17; ε §5.1")
+          paper="arXiv 2507.18071 (Zheng et al., GSPO-token) Eq. 13-14; gradient Eq. 17; ε §5.1",
+          equations="s_it = sg[s_i] · π_θ(y_it)/sg[π_θ(y_it)]; "
+                    "ℓ_it = −min(s_it Â_it, clip(s_it, 1−ε_low, 1+ε_high) Â_it)")
 def gspo_token(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                eps_low: float, eps_high: float, aggregation: str,
                num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):
@@ -354,7 +372,9 @@ def gspo_token(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
 @register("grpo", eps_low=0.2, eps_high=0.27, aggregation="seq-mean-token-mean",
           sequence_level=False,
           paper="arXiv 2402.03300 (Shao et al., GRPO), in the form of arXiv 2507.18071: "
-                "gradient Eq. 11; ε 0.2/0.27 as the GSPO paper's GRPO baseline (§5.1)")
+                "gradient Eq. 11; ε 0.2/0.27 as the GSPO paper's GRPO baseline (§5.1)",
+          equations="r_it = π_θ(y_it)/π_old(y_it); "
+                    "ℓ_it = −min(r_it Â_it, clip(r_it, 1−ε_low, 1+ε_high) Â_it)")
 def grpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
          eps_low: float, eps_high: float, aggregation: str,
          num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):
@@ -380,7 +400,9 @@ def grpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
 
 @register("ppo", eps_low=0.2, eps_high=0.2, aggregation="token-mean", sequence_level=False,
           paper="arXiv 1707.06347 (Schulman et al., PPO) Eq. 7, ε = 0.2; token-mean over the "
-                "batch's response tokens as TRL PPOTrainer (masked_mean) and InstructGPT-style RLHF")
+                "batch's response tokens as TRL PPOTrainer (masked_mean) and InstructGPT-style RLHF",
+          equations="r_t = π_θ(y_t)/π_old(y_t); "
+                    "ℓ_t = −min(r_t Â_t, clip(r_t, 1−ε_low, 1+ε_high) Â_t), Â_t from GAE")
 def ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
         eps_low: float, eps_high: float, aggregation: str,
         num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):
@@ -399,7 +421,9 @@ def ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
 @register("sapo", eps_low=0.2, eps_high=0.27, tau_pos=1.0, tau_neg=1.05,
           aggregation="seq-mean-token-mean", sequence_level=False,
           paper="arXiv 2511.20347 (Gao et al., SAPO): soft gate σ(τ(r−1))·4/τ, "
-                "τ_pos = 1.0, τ_neg = 1.05 (paper's recommendation, as verl / ms-swift)")
+                "τ_pos = 1.0, τ_neg = 1.05 (paper's recommendation, as verl / ms-swift)",
+          equations="ℓ_it = −σ(τ_it (r_it − 1)) · 4/τ_it · Â_it, "
+                    "τ_it = τ_pos if Â_it > 0 else τ_neg")
 def sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
          eps_low: float, eps_high: float, tau_pos: float, tau_neg: float, aggregation: str,
          num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):
@@ -429,7 +453,8 @@ def sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
 
 @register("cispo", eps_low=1.0, eps_high=4.0, aggregation="token-mean", sequence_level=False,
           paper="arXiv 2506.13585 (MiniMax-M1, CISPO) §3.1: no lower bound (ε_low = 1); "
-                "cap 1+ε_high = 5 as ScaleRL (arXiv 2510.13786) / TRL epsilon_high=5.0")
+                "cap 1+ε_high = 5 as ScaleRL (arXiv 2510.13786) / TRL epsilon_high=5.0",
+          equations="ℓ_it = −sg[clip(r_it, 1−ε_low, 1+ε_high)] · Â_it · log π_θ(y_it)")
 def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
           eps_low: float, eps_high: float, aggregation: str,
           num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):
@@ -459,7 +484,9 @@ def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
 
 @register("gmpo", eps_low=0.4, eps_high=0.4, aggregation="seq-mean", sequence_level=True,
           paper="arXiv 2507.20673 (Zhao et al., GMPO): geometric mean of token-clipped ratios; "
-                "log-space clip (e^-0.4, e^0.4) §4 and official code (CLIPRANGE=0.4)")
+                "log-space clip (e^-0.4, e^0.4) §4 and official code (CLIPRANGE=0.4)",
+          equations="log ρ̃_it = min(log r_it, ε_high) if Â_i > 0 else max(log r_it, −ε_low); "
+                    "ℓ_i = −Â_i exp((1/|y_i|) Σ_t log ρ̃_it)")
 def gmpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
          eps_low: float, eps_high: float, aggregation: str,
          num_seqs: Count = None, num_tokens: Count = None, token_sum_norm: Count = None):

@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from safetensors import SafetensorError, safe_open
+
 from gspo.checkpoint import list_checkpoints
 from gspo.errors import UserError
 
@@ -57,6 +59,18 @@ def check_checkpoint(key: str, path: str) -> None:
     if not any(p.glob("*.safetensors")):
         raise UserError(f"{key}: {path!r} has no *.safetensors weights (gspo loads weights only "
                         f"from safetensors, never from pickled .bin files)")
+    for weights in sorted(p.glob("*.safetensors")):
+        check_safetensors(key, weights)
+
+
+def check_safetensors(key: str, file: Path) -> None:
+    """The header of a safetensors file parses and its tensors fit in the file (reads no tensor)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"{key}: {str(file)!r} is not a readable safetensors file ({reason})") from None
 
 
 def check_files(cfg) -> None:
@@ -196,6 +210,6 @@ def check_rewards(rewards, examples: list) -> None:
         _, faults = source([ex.answer for ex in probe], probe)
         if faults and (len(faults) == len(probe) or rewards.on_error == "fail"):
             i, reason = next(iter(faults.items()))
-            raise UserError(f"rewards: {source.name!r} fails on the demonstration of training "
+            raise UserError(f"rewards: {source.label} fails on the demonstration of training "
                             f"example {i + 1} (prompt {probe[i].prompt[:60]!r}, answer "
                             f"{probe[i].answer[:60]!r}): {reason}")

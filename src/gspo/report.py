@@ -1,6 +1,7 @@
 """Run report: PNG plots of the logged metrics and a ``report.md`` that links them.
 
-Reads only the run folder (``metrics.jsonl``, ``summary.json``, ``config.yaml``), so
+Reads only the run folder (``metrics.jsonl``, ``summary.json``, ``config.yaml``,
+``provenance.json``), so
 ``gspo report RUN_DIR`` rebuilds it at any time, including for a run that is still going.
 """
 
@@ -17,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from gspo.diagnostics import plot_length_slices  # noqa: E402
 from gspo.guard import event_table, read_events  # noqa: E402
 from gspo.metrics import read_metrics  # noqa: E402
+from gspo.provenance import read as read_provenance, table as provenance_table  # noqa: E402
 from gspo.timing import PARTS  # noqa: E402
 
 # (metric key, title); a panel is drawn only when the run logged that metric.
@@ -93,6 +95,9 @@ def build_report(run_dir: str | Path) -> Path:
         lines.append("")
     else:
         lines += ["Run in progress (no summary.json yet).", ""]
+    lines += ["## Provenance", "", *provenance_table(read_provenance(run_dir)), "",
+              "All of it in `provenance.json`; `gspo train --resume` and `gspo audit` check it.",
+              ""]
     for key, title in PANELS:
         name = key.replace("/", "_") + ".png"
         if plot_panel(rows, key, title, plots / name):

@@ -18,6 +18,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from gspo.models import reading_checkpoint
 from gspo.tasks import Example, Task
 from gspo.tasks.base import call_kwargs, to_reward
 from gspo.tasks.custom import load_function
@@ -48,6 +49,8 @@ class VerifierReward:
 
     def __init__(self, task: Task, *, name: str = "verifier"):
         self.task, self.name = task, name
+        spec = getattr(task, "reward_spec", None)   # a custom task: the user's module:function
+        self.label = f"task.reward {spec!r}" if spec else repr(name)   # as the config names it
 
     def __call__(self, completions: list[str], examples: list[Example]) -> list[float]:
         src = f"{self.name} ({self.task.name}.reward)"
@@ -90,9 +93,10 @@ class ModelReward:
             raise ValueError(f"reward model: {path!r} is not a local directory")
         self.name = name or "model_" + os.path.basename(os.path.normpath(path))
         self.batch_size, self.device, self.label, self.max_length = batch_size, device, label, max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, local_files_only=True, use_safetensors=True)  # never unpickle weights
+        with reading_checkpoint(f"reward model {self.name!r}", path):
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, local_files_only=True, use_safetensors=True)  # never unpickle weights
         self.model.to(device).eval()
         if self.tokenizer.pad_token is None:
             if self.tokenizer.eos_token is None:

@@ -101,43 +101,88 @@ def shared_prompt_cache(model: PreTrainedModel, enc: dict, group_size: int) -> d
     return {name: cache}
 
 
+@dataclass
+class Samples:
+    """What a generation engine returns for P prompts x G responses (rows grouped by prompt,
+    N = P·G): the response part of a ``RolloutBatch`` (gspo.engines)."""
+    response_ids: torch.Tensor          # [N, T] long, pad_id after the first EOS
+    response_mask: torch.Tensor         # [N, T] float, 1 up to and including EOS
+    truncated: torch.Tensor             # [N] bool, no EOS within max_new_tokens
+    logp: torch.Tensor | None = None    # [N, T] sampler log-probs at the temperature, 0 past the mask
+
+
+def left_pad(prompt_ids: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id prompts left-padded: (input_ids [P, Lp], attention_mask [P, Lp])."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompt_ids), width, dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        if p:
+            ids[i, -len(p):], mask[i, -len(p):] = torch.tensor(p), 1
+    return ids.to(device), mask.to(device)
+
+
 @torch.no_grad()
-def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
-             params: SamplingParams, *, group_size: int = 1, with_logprobs: bool = False,
-             seed: int | None = None, share_prompts: bool = True) -> RolloutBatch:
-    """Sample ``group_size`` responses for each example (rows grouped consecutively).
+def sample(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+           params: SamplingParams, *, pad_id: int, eos_id: int, group_size: int = 1,
+           with_logprobs: bool = False, seed: int | None = None, share_prompts: bool = True) -> Samples:
+    """``group_size`` responses to each left-padded prompt of ``input_ids`` [P, Lp] with
+    transformers ``generate`` (rows grouped consecutively).
 
     ``share_prompts``: run each prompt through the model once, not G times (``shared_prompt_cache``);
     off when every forward must see all N rows (routing capture at generation)."""
-    device = next(model.parameters()).device
-    rows = [ex for ex in examples for _ in range(group_size)]
     was_training = model.training
     model.eval()
-    enc = encode_prompts(tokenizer, [ex.prompt for ex in examples], device)        # [P, Lp]
+    enc = {"input_ids": input_ids, "attention_mask": attention_mask}                # [P, Lp]
     cache = shared_prompt_cache(model, enc, group_size) if share_prompts else {}
     enc = {k: v.repeat_interleave(group_size, dim=0) for k, v in enc.items()}    # [N, Lp]
     if seed is not None:
         torch.manual_seed(seed)
     out = model.generate(**enc, **cache, **params.generate_kwargs(), use_cache=True,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=pad_id, eos_token_id=eos_id,
                          return_dict_in_generate=True, output_logits=with_logprobs,
                          synced_gpus=False)  # FSDP: weights are gathered first (gspo.distributed)
     model.train(was_training)
-    prompt_len = enc["input_ids"].shape[1]
-    response_ids = out.sequences[:, prompt_len:]                                  # [N, T]
-    mask, truncated = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
-    response_ids = torch.where(mask.bool(), response_ids, tokenizer.pad_token_id)
-    rollout_logp = None
+    response_ids = out.sequences[:, input_ids.shape[1]:]                          # [N, T]
+    mask, truncated = response_mask_from_ids(response_ids, eos_id)
+    response_ids = torch.where(mask.bool(), response_ids, pad_id)
+    logp = None
     if with_logprobs:
         logits = torch.stack(out.logits, dim=1).float() / params.temperature      # [N, T, V]
-        rollout_logp = torch.log_softmax(logits, -1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-        rollout_logp = rollout_logp * mask
+        logp = torch.log_softmax(logits, -1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+        logp = logp * mask
+    return Samples(response_ids, mask, truncated, logp)
+
+
+def rollout_batch(tokenizer: PreTrainedTokenizerBase, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor, samples: Samples, examples: list[Example],
+                  group_size: int) -> RolloutBatch:
+    """The ``RolloutBatch`` of left-padded prompts [P, Lp] and their ``samples`` (N = P·G rows)."""
+    prompt_ids = input_ids.repeat_interleave(group_size, dim=0)                     # [N, Lp]
+    prompt_mask = attention_mask.repeat_interleave(group_size, dim=0)               # [N, Lp]
+    mask = samples.response_mask.to(prompt_ids.device)
     return RolloutBatch(
-        input_ids=torch.cat([enc["input_ids"], response_ids], dim=1),
-        attention_mask=torch.cat([enc["attention_mask"], mask.long()], dim=1),
-        response_mask=mask, truncated=truncated,
-        completions=decode(tokenizer, response_ids, mask), examples=rows, rollout_logp=rollout_logp,
+        input_ids=torch.cat([prompt_ids, samples.response_ids.to(prompt_ids.device)], dim=1),
+        attention_mask=torch.cat([prompt_mask, mask.long()], dim=1),
+        response_mask=mask, truncated=samples.truncated.to(prompt_ids.device),
+        completions=decode(tokenizer, samples.response_ids, mask),
+        examples=[ex for ex in examples for _ in range(group_size)],
+        rollout_logp=None if samples.logp is None else samples.logp.to(prompt_ids.device),
     )
+
+
+def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
+             params: SamplingParams, *, group_size: int = 1, with_logprobs: bool = False,
+             seed: int | None = None, share_prompts: bool = True) -> RolloutBatch:
+    """Sample ``group_size`` responses for each example (rows grouped consecutively) with ``sample``."""
+    device = next(model.parameters()).device
+    enc = encode_prompts(tokenizer, [ex.prompt for ex in examples], device)        # [P, Lp]
+    samples = sample(model, enc["input_ids"], enc["attention_mask"], params,
+                     pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+                     group_size=group_size, with_logprobs=with_logprobs, seed=seed,
+                     share_prompts=share_prompts)
+    return rollout_batch(tokenizer, enc["input_ids"], enc["attention_mask"], samples, examples,
+                         group_size)
 
 
 def decode(tokenizer: PreTrainedTokenizerBase, response_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gspo import algorithms, data, diagnostics, distributed, moe, objectives, tasks
+from gspo import (algorithms, correction, data, diagnostics, distributed, engines, moe, objectives,
+                  provenance, tasks)
 from gspo.async_rollout import build_source
 from gspo.audit import Recorder
 from gspo.guard import Guard
@@ -65,7 +66,7 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
     """The policy RL starts from: model.path, or a preset cold-started by SFT (cached)."""
     dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
     if cfg.model.path:
-        model, tokenizer = load_model(cfg.model.path, dtype)
+        model, tokenizer = load_model(cfg.model.path, dtype, key="model.path")
     else:
         model, tokenizer = build_model(cfg.model.preset, cfg.seed, cfg.model.overrides, dtype)
     info: dict = {"source": cfg.model.path or f"preset:{cfg.model.preset}"}
@@ -151,6 +152,7 @@ class Trainer:
         self.rewards = build_rewards([r.model_dump() for r in cfg.rewards], self.task, policy=cfg.reward)
         self.sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                        cfg.rollout.top_p, cfg.rollout.top_k)
+        self.sampler_engine = None                # hf engine: the policy, or its rollout.dtype copy
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -185,9 +187,16 @@ class Trainer:
         if self.resume:
             self._restore()
 
+    def current_provenance(self) -> dict:
+        """What produces this run (RUN/provenance.json, gspo.provenance)."""
+        return provenance.collect(self.cfg, command="train", world_size=self.dist.world,
+                                  device=str(resolve_device(self.cfg.model.device)))
+
     def _write_config(self) -> None:
         with writing("config.yaml", self.run_dir / "config.yaml"):
             dump_yaml(self.cfg, self.run_dir / "config.yaml")
+        with writing(provenance.FILE, self.run_dir / provenance.FILE):
+            provenance.write(self.run_dir, self.current_provenance(), resume=self.resume)
 
     def _claim_run_dir(self) -> None:
         """Lock the folder (one writer at a time, gspo.rundir) and remove what a killed writer
@@ -282,14 +291,26 @@ class Trainer:
         capture = self.cfg.moe.routing_replay == "rollout"
         with moe.capture_routing(self.model) if capture else contextlib.nullcontext() as cap, \
                 self.dist.full_params():      # fsdp: gathered, so ranks may generate unequal lengths
-            batch = generate(self.model, self.tokenizer, examples, self.sampling,
+            batch = generate(self.sampler(), self.tokenizer, examples, self.sampling,
                              group_size=self.cfg.rollout.group_size,
                              with_logprobs=self.cfg.train.old_logprobs == "rollout"
-                             or self.cfg.train.log_rollout_logprobs, seed=seed,
+                             or self.cfg.train.log_rollout_logprobs
+                             or self.cfg.train.rollout_correction.mode != "none", seed=seed,
                              share_prompts=not capture)  # a capture needs all N rows per forward
         if capture:
             batch.extras["routing"] = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
         return batch
+
+    def sampler(self):
+        """The model that samples, with the policy's current weights: the policy itself, or (rollout.dtype)
+        the hf engine's copy of it in that dtype."""
+        if self.sampler_engine is None:
+            dtype = self.cfg.rollout.dtype
+            self.sampler_engine = engines.build("hf", self.model, self.tokenizer,
+                                                dtype=None if dtype == "model" else DTYPES[dtype])
+        else:
+            self.sampler_engine.sync_weights(self.model)
+        return self.sampler_engine.model
 
     def routing_context(self, batch: RolloutBatch, keep_logits: bool = False):
         """Replay the batch's stored experts when configured, else just capture (MoE) or nothing."""
@@ -401,6 +422,8 @@ class Trainer:
             mask = mask * (~batch.truncated).float().unsqueeze(-1)              # [N, T]
         if "dropped" in batch.extras:  # reward.on_error=drop: failed samples leave the loss
             mask = mask * (~batch.extras["dropped"]).float().unsqueeze(-1)      # [N, T]
+        if "correction_mask" in batch.extras:  # train.rollout_correction: masked tokens leave it
+            mask = mask * batch.extras["correction_mask"]                       # [N, T]
         return mask
 
     def plan(self, batch: RolloutBatch, advantages: torch.Tensor, step: int,
@@ -562,6 +585,9 @@ class Trainer:
             old_logp = self.old_logprobs(batch, rows=plan.old_rows)               # [N, T]
         if batch.rollout_logp is not None:
             metrics.update(self.dist.reduce_metrics(self._mismatch(batch, old_logp), len(rewards)))
+        if batch.rollout_logp is not None and self.cfg.train.old_logprobs == "recompute":
+            advantages, stats = self.correct_rollout(batch, advantages, old_logp)
+            metrics.update(self.dist.reduce_metrics(stats, len(rewards)))
         t0 = time.perf_counter()
         record: dict = {}
         self.recorder.begin(self, step)                                           # π_old, if audited
@@ -598,6 +624,22 @@ class Trainer:
         else:
             trainer_logp = old_logp
         return diagnostics.logprob_mismatch(batch.rollout_logp, trainer_logp, batch.response_mask)
+
+    def correct_rollout(self, batch: RolloutBatch, advantages: torch.Tensor,
+                        old_logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """train.rollout_correction: its mask joins the loss mask (batch.extras), its weight scales
+        the advantages (gspo.correction.weighted_advantages); mismatch/* stats (mode none: only these)."""
+        cfg = self.cfg.train.rollout_correction
+        mask = self.loss_mask(batch)                                               # [N, T]
+        out = correction.spec(cfg.mode).fn(old_logp, batch.rollout_logp, mask, **cfg.params())
+        values = torch.stack(list(out.stats.values())).tolist()
+        stats = {f"mismatch/{k}": v for k, v in zip(out.stats, values)}
+        if cfg.mode == "none":
+            return advantages, stats
+        batch.extras["correction_mask"] = out.mask.to(mask.dtype)                 # [N, T]
+        advantages = correction.weighted_advantages(advantages, out.weight, mask,
+                                                    per_row=self.spec.sequence_level)
+        return advantages, stats
 
     # ----------------------------------------------------------------------------- eval, save
     def evaluate(self) -> EvalResult:

@@ -1,0 +1,240 @@
+"""Generation engines: one interface over the samplers a rollout can use (docs/engines.md).
+
+An engine is built once from the policy, samples G responses to each prompt given as token ids
+(never re-tokenised), and returns ``rollout.Samples``: response ids, the mask up to and including
+EOS, truncation flags and the sampler's own log-probs at the sampling temperature. Between RL
+steps ``sync_weights(policy)`` copies the trained weights into it, in place.
+
+* ``hf``: transformers ``generate`` (``rollout.sample``) on the policy itself, or on a copy of it in
+  another ``dtype`` (e.g. bfloat16 sampling for a float32 policy), refreshed by ``sync_weights``.
+* ``vllm``: a vLLM engine in this process (colocated), built from the policy saved once to a
+  temporary directory; ``sync_weights`` pushes the weights through the model runner's
+  ``reload_weights`` (no disk round trip) and drops the prefix cache. Optional dependency.
+
+Engines are registered by name (``available()``, ``build(name, ...)``), never chosen by an ``if``.
+This module samples; it does not score, train or read configs.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+try:  # transformers 5 keeps some weights in fused in-memory layouts (a MoE's experts)
+    from transformers.core_model_loading import revert_weight_conversion
+except ImportError:  # transformers 4: the in-memory layout is the checkpoint's
+    def revert_weight_conversion(model, state_dict):
+        return state_dict
+
+from gspo.errors import UserError
+from gspo.models import save_model
+from gspo.rollout import Samples, SamplingParams, left_pad, response_mask_from_ids, sample
+
+__all__ = ["Engine", "EngineUnavailable", "HFEngine", "VLLMEngine", "available", "build", "check",
+           "policy_weights"]
+
+
+class EngineUnavailable(UserError):
+    """The engine asked for cannot run here (not installed, or cannot serve this model): one line."""
+
+
+class Engine(ABC):
+    """A sampler built from a policy: ``generate`` and ``sync_weights``; ``sleep`` / ``wake_up``
+    free and restore its memory between generation and training (no-ops where nothing is held)."""
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[list[int]], group_size: int, params: SamplingParams,
+                 seed: int | None = None, with_logprobs: bool = True) -> Samples:
+        """G = ``group_size`` responses to each prompt, rows grouped by prompt (N = P·G)."""
+
+    @abstractmethod
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        """Make the engine sample from ``model``'s current weights."""
+
+    def sleep(self) -> None:
+        """Release what the engine holds between generations (GPU memory); default: nothing."""
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``."""
+
+
+_REGISTRY: dict[str, type[Engine]] = {}
+_REQUIRES: dict[str, str] = {}
+
+
+def register(name: str, *, requires: str | None = None):
+    """Class decorator: register an engine under ``name``; ``requires``: the module it needs."""
+
+    def decorate(cls: type[Engine]) -> type[Engine]:
+        _REGISTRY[name] = cls
+        if requires:
+            _REQUIRES[name] = requires
+        return cls
+
+    return decorate
+
+
+def available() -> list[str]:
+    """Sorted names of the registered engines (installed or not)."""
+    return sorted(_REGISTRY)
+
+
+def check(name: str, model_type: str | None = None) -> None:
+    """EngineUnavailable (one line) unless engine ``name`` is known, installed and can serve a model
+    of ``model_type`` (its transformers ``config.model_type``); before anything is built."""
+    if name not in _REGISTRY:
+        raise EngineUnavailable(f"unknown engine {name!r}; valid: {', '.join(available())}")
+    refuse = getattr(_REGISTRY[name], "refuses", {}).get(model_type)
+    if refuse:
+        raise EngineUnavailable(f"engine {name!r} cannot serve a {model_type} model: {refuse}")
+    module = _REQUIRES.get(name)
+    if module and importlib.util.find_spec(module) is None:
+        raise EngineUnavailable(f"engine {name!r} needs the {module!r} package, which is not installed "
+                                f"(GPU: pip install 'gspo[vllm]'; this CPU: make test-vllm builds .venv-vllm)")
+
+
+def build(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **options) -> Engine:
+    """The engine ``name`` built from ``model`` (checked first); ``options`` go to its constructor."""
+    check(name, getattr(model.config, "model_type", None))
+    return _REGISTRY[name](model, tokenizer, **options)
+
+
+def policy_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight as a checkpoint stores it (transformers' in-memory layouts
+    reverted, e.g. a MoE's fused experts back to one tensor per expert, as ``save_pretrained``
+    writes them), ``lm_head.weight`` included even when the embeddings are tied (an engine that
+    unties them would otherwise keep a stale head)."""
+    state = revert_weight_conversion(model, dict(model.state_dict()))
+    if "lm_head.weight" not in state and model.get_output_embeddings() is not None:
+        state["lm_head.weight"] = model.get_output_embeddings().weight
+    for name, tensor in state.items():
+        yield name, tensor.detach()
+
+
+# ----------------------------------------------------------------------------- transformers
+
+@register("hf")
+class HFEngine(Engine):
+    """transformers ``generate`` (``rollout.sample``) on the policy, or on a copy in ``dtype``."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
+                 dtype: torch.dtype | None = None, share_prompts: bool = True):
+        self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.share_prompts = share_prompts
+        own = dtype is not None and dtype != next(model.parameters()).dtype
+        self.model = copy.deepcopy(model).to(dtype).requires_grad_(False) if own else model
+        self.owns_copy = own
+        """True when ``model`` is a copy (another dtype) that ``sync_weights`` must refresh."""
+
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        if self.owns_copy:
+            self.model.load_state_dict(model.state_dict())     # cast into the copy's dtype
+        else:
+            self.model = model
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, params: SamplingParams,
+                 seed: int | None = None, with_logprobs: bool = True) -> Samples:
+        device = next(self.model.parameters()).device
+        ids, mask = left_pad(prompt_ids, self.pad_id, device)                      # [P, Lp]
+        return sample(self.model, ids, mask, params, pad_id=self.pad_id, eos_id=self.eos_id,
+                      group_size=group_size, with_logprobs=with_logprobs, seed=seed,
+                      share_prompts=self.share_prompts)
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@register("vllm", requires="vllm")
+class VLLMEngine(Engine):
+    """vLLM in this process, built from the policy's weights; in-place weight sync.
+
+    ``dtype``: the engine's weights (default: the policy's). ``seed``: the engine's seed; each
+    ``generate`` seeds prompt p's G samples with ``seed + p`` (``generate``'s seed), so a batch is
+    reproducible for a seed on one machine and engine version. ``gpu_memory_utilization`` and
+    ``enable_sleep_mode`` go to vLLM on a GPU; ``kv_cache_gib``: the KV cache on a CPU (vLLM's
+    default, 4 GiB and a warm-up pass, is far more than the tiny presets need)."""
+
+    refuses: dict[str, str] = {
+        "qwen3_moe": "vLLM's in-place weight reload leaves its MoE experts stale (measured on the CPU "
+                     "build 0.32: log-probs off by 0.13 after syncing unchanged weights; "
+                     "tests/test_vllm.py keeps watching), so RL steps would sample from old experts",
+    }
+    """config.model_type -> why this engine cannot serve it (each one shown by a test)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
+                 dtype: torch.dtype | None = None, seed: int = 0, gpu_memory_utilization: float = 0.5,
+                 enable_sleep_mode: bool = False, max_model_len: int | None = None,
+                 kv_cache_gib: int = 1, **llm_options):
+        # In-process engine core: the model runner (reload_weights) is reachable, and no worker
+        # process is spawned (which would need the caller under `if __name__ == "__main__"`).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        on_gpu = next(model.parameters()).is_cuda
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        import vllm  # optional dependency, imported only when this engine is built (seconds)
+        from vllm.inputs import TokensPrompt
+        self._vllm, self._prompt = vllm, TokensPrompt
+        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self._dir = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
+        save_model(model, tokenizer, self._dir.name)            # once; later syncs stay in memory
+        gpu = dict(gpu_memory_utilization=gpu_memory_utilization,
+                   enable_sleep_mode=enable_sleep_mode) if on_gpu else {}
+        self.llm = vllm.LLM(model=self._dir.name, tokenizer=self._dir.name,
+                            dtype=VLLM_DTYPES[dtype or next(model.parameters()).dtype], seed=seed,
+                            enforce_eager=True, max_model_len=max_model_len,
+                            logprobs_mode="processed_logprobs",   # after temperature, as the trainer's
+                            **gpu, **llm_options)
+        self.can_sleep = on_gpu and enable_sleep_mode
+        self.sleeping = False
+
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+        self.llm.reset_prefix_cache()        # cached prompt KV was computed with the old weights
+
+    def sleep(self) -> None:
+        if self.can_sleep and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.can_sleep = on_gpu and enable_sleep_mode
+        self.sleeping = False
+
+    def sampling_params(self, params: SamplingParams, group_size: int, seed: int | None,
+                        with_logprobs: bool):
+        """vLLM's SamplingParams for one prompt (temperature 0 is vLLM's greedy)."""
+        return self._vllm.SamplingParams(
+            n=group_size, max_tokens=params.max_new_tokens, seed=seed,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=1.0 if params.greedy else params.top_p, top_k=0 if params.greedy else params.top_k,
+            logprobs=0 if with_logprobs else None, detokenize=False)
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, params: SamplingParams,
+                 seed: int | None = None, with_logprobs: bool = True) -> Samples:
+        prompts = [self._prompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        per_prompt = [self.sampling_params(params, group_size, None if seed is None else seed + i,
+                                           with_logprobs) for i in range(len(prompts))]
+        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        rows = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]   # N
+        T = max(1, max(len(c.token_ids) for c in rows))
+        ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
+        logp = torch.zeros(len(rows), T)
+        for i, c in enumerate(rows):
+            ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+            if with_logprobs:
+                logp[i, :len(c.token_ids)] = torch.tensor(
+                    [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+        mask, truncated = response_mask_from_ids(ids, self.eos_id)                    # [N, T]
+        ids = torch.where(mask.bool(), ids, self.pad_id)
+        return Samples(ids, mask, truncated, logp * mask if with_logprobs else None)

@@ -1,0 +1,81 @@
+"""gspo.engines without vLLM: the hf engine wraps rollout.sample (same tokens as generate), its
+dtype copy and weight sync, the registry and the one-line refusals. vLLM itself: test_vllm.py."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from gspo import engines
+from gspo.models import build_model
+from gspo.rollout import SamplingParams, encode_prompts, generate, left_pad
+from gspo.tasks import Example
+
+PROMPTS = ["S 4 7 3:", "S 1 2:", "S 9 9 9 9:"]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return build_model("tiny-dense", 0)
+
+
+def prompt_ids(tokenizer):
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def test_hf_engine_samples_what_generate_samples(policy):
+    model, tok = policy
+    params = SamplingParams(max_new_tokens=6)
+    engine = engines.build("hf", model, tok)
+    out = engine.generate(prompt_ids(tok), 2, params, seed=5)
+    examples = [Example(prompt=p, answer="") for p in PROMPTS]
+    batch = generate(model, tok, examples, params, group_size=2, with_logprobs=True, seed=5)
+    assert torch.equal(out.response_ids, batch.response_ids)
+    assert torch.equal(out.response_mask, batch.response_mask)
+    assert torch.equal(out.truncated, batch.truncated)
+    assert torch.equal(out.logp, batch.rollout_logp)
+
+
+def test_left_padded_token_ids_match_the_tokenizer(policy):
+    _, tok = policy
+    ids, mask = left_pad(prompt_ids(tok), tok.pad_token_id)
+    enc = encode_prompts(tok, PROMPTS, "cpu")
+    assert torch.equal(ids, enc["input_ids"]) and torch.equal(mask, enc["attention_mask"])
+
+
+def test_hf_engine_in_bfloat16_is_a_synced_copy(policy):
+    model, tok = policy
+    engine = engines.build("hf", model, tok, dtype=torch.bfloat16)
+    assert engine.owns_copy and next(engine.model.parameters()).dtype == torch.bfloat16
+    params = SamplingParams(max_new_tokens=6)
+    out = engine.generate(prompt_ids(tok), 4, params, seed=1)
+    assert out.logp.dtype == torch.float32 and torch.all(out.logp[out.response_mask > 0] < 0)
+    moved = build_model("tiny-dense", 1)[0]             # other weights: the copy follows them
+    engine.sync_weights(moved)
+    w = moved.model.embed_tokens.weight
+    assert torch.equal(engine.model.model.embed_tokens.weight, w.to(torch.bfloat16))
+    assert not torch.equal(engine.model.model.embed_tokens.weight.float(), w)   # really rounded
+    same = engines.build("hf", model, tok, dtype=torch.float32)
+    assert not same.owns_copy and same.model is model
+
+
+def test_policy_weights_include_the_tied_head(policy):
+    model, _ = policy
+    names = dict(engines.policy_weights(model))
+    assert "lm_head.weight" in names
+    assert names["lm_head.weight"].data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_registry_and_refusals(policy):
+    model, tok = policy
+    assert engines.available() == ["hf", "vllm"]
+    with pytest.raises(engines.EngineUnavailable, match="unknown engine 'vlm'; valid: hf, vllm"):
+        engines.build("vlm", model, tok)
+    moe, moe_tok = build_model("tiny-moe", 0)
+    with pytest.raises(engines.EngineUnavailable, match="cannot serve a qwen3_moe model: vLLM's") as err:
+        engines.build("vllm", moe, moe_tok)
+    assert "\n" not in str(err.value)
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(engines.EngineUnavailable, match="needs the 'vllm' package") as err:
+            engines.build("vllm", model, tok)
+        assert "\n" not in str(err.value)
