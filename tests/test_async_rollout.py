@@ -197,3 +197,8 @@ def test_a_bfloat16_sampler_with_correction_is_corrected_against_the_behaviour_p
     kl = [r["mismatch/kl"] for r in stale]
     assert all(0 <= k < 10 * max(r["mismatch/kl"] for r in sync) for k in kl), (kl, sync)
     assert not _worker_threads()
+
+
+def test_a_misspelt_key_is_told_the_yaml_name():
+    with pytest.raises(ConfigError, match="did you mean 'async'"):
+        load_config(None, ["rollout.asyn=true"])

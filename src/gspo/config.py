@@ -615,7 +615,7 @@ def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return []
         model = ann
-    return list(model.model_fields)
+    return [f.alias or name for name, f in model.model_fields.items()]  # rollout.async, not async_
 
 
 def format_validation_error(err: ValidationError, model: type[BaseModel], source: str) -> str:
