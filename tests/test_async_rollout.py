@@ -57,11 +57,10 @@ def test_staleness_zero_reproduces_the_synchronous_run(make_cfg, reward_module):
 
 
 @pytest.fixture(scope="module")
-def stale(tmp_path_factory, reward_module):
+def stale(tmp_path_factory, small_config, reward_module):
     """One s = 1 run, its batches recorded as the trainer got them."""
-    from conftest import _small_config
     root = tmp_path_factory.mktemp("stale")
-    make_cfg = lambda *o, run="run": _small_config(root, *o, run=run)  # noqa: E731
+    make_cfg = lambda *o, run="run": small_config(root, *o, run=run)  # noqa: E731
     seen = {}
     original = async_rollout.AsyncSource.batch
 
@@ -145,7 +144,7 @@ def test_a_stop_saves_and_joins_the_worker(make_cfg, reward_module):
     with pytest.raises(Interrupted):
         trainer.run()
     assert not _worker_threads()
-    assert (cfg.run.dir and (trainer.run_dir / "checkpoints" / "step_000002").is_dir())
+    assert (trainer.run_dir / "checkpoints" / "step_000002").is_dir()
     assert [r["step"] for r in read_metrics(trainer.run_dir)] == [0, 1, 2]
 
 
