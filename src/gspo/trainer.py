@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from gspo import (algorithms, correction, data, diagnostics, distributed, engines, lora, moe,
                   objectives, provenance, tasks)
+from gspo.async_rollout import build_source
 from gspo.audit import Recorder
 from gspo.guard import Guard
 from gspo.isolation import correct_all
@@ -186,6 +187,7 @@ class Trainer:
         self.metrics = (MetricsWriter(self.run_dir, cfg.run.trackers, cfg.model_dump(mode="json"))
                         if self.dist.is_main else NullWriter())
         self.algorithm.setup(self)                  # ppo: the critic, from the policy
+        self.rollouts = build_source(self)          # each step's batch: collect(k), or made ahead
         if self.resume:
             self._restore()
 
@@ -260,6 +262,7 @@ class Trainer:
         self.start_step = state["step"]
         self.history = state.get("history", {})
         self.algorithm.load(loaded.path, state.get("algorithm", {}))
+        self.rollouts.load(loaded.path)             # async: the weights of the batches in flight
 
     # ----------------------------------------------------------------------------- one step
     def collect(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict]:
@@ -397,6 +400,8 @@ class Trainer:
         (filled by the first minibatch, or never read: rows without signal)."""
         if self.cfg.train.old_logprobs == "rollout":
             return batch.rollout_logp
+        if "behaviour_logp" in batch.extras:  # async, stale batch: π_old of the weights that sampled it
+            return batch.extras["behaviour_logp"]
         if rows is None:
             sub = batch
         elif len(rows) == 0:
@@ -457,7 +462,7 @@ class Trainer:
                 and cfg.moe.aux_loss_coef == 0 and not self.recorder.due(step))
         live = live_rows(advantages.cpu(), self.loss_mask(batch).cpu()) if skip else None  # [N]
         reuse = (cfg.train.old_logprobs == "recompute" and batch.rollout_logp is None
-                 and cfg.moe.routing_replay != "old")
+                 and cfg.moe.routing_replay != "old" and "behaviour_logp" not in batch.extras)
         return plan_update(minibatches, live, reuse_first=reuse)
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor, old_logp: torch.Tensor,
@@ -584,7 +589,7 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         t_start, timer = time.perf_counter(), StepTimer(self.device)
-        batch, rewards, metrics = self.collect(step)
+        batch, rewards, metrics = self.rollouts.batch(step)          # collect(step), or made ahead
         metrics = self.dist.reduce_metrics(metrics, len(rewards))     # ranks: one set of numbers
         if self.dist.any(batch is None):
             return {**metrics, "step": step + 1, "train/skipped": 1.0}
@@ -662,7 +667,7 @@ class Trainer:
     def evaluate(self) -> EvalResult:
         """Held-out evaluation (under torchrun: on rank 0, its result sent to every rank)."""
         e = self.cfg.eval
-        with self.dist.full_params():
+        with self.dist.full_params(), self.rollouts.rng_lock:  # async: not while the worker samples
             return self.dist.on_main(lambda: evaluate(
                 self.model, self.tokenizer, self.task, self.test_set,
                 max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
@@ -676,7 +681,8 @@ class Trainer:
         return self.dist.save_checkpoint(self.run_dir, step, self.model, self.tokenizer,  # rank 0
                                          self.optimizer, self.scheduler, state,
                                          keep=self.cfg.run.keep_checkpoints,
-                                         extra=self.algorithm.save)  # ppo: critic files
+                                         extra=lambda folder: (self.algorithm.save(folder),  # ppo: critic
+                                                               self.rollouts.save(folder, step)))
 
     # ----------------------------------------------------------------------------- the loop
     def wall(self) -> float:
@@ -697,6 +703,8 @@ class Trainer:
         try:
             return self._run()
         finally:
+            if getattr(self, "rollouts", None) is not None:  # (set-up may have failed before it)
+                self.rollouts.close()                        # async: the worker stopped and joined
             self.release()
 
     def release(self) -> None:
@@ -727,6 +735,7 @@ class Trainer:
             if back is not None:                        # rolled back to the checkpoint of step back
                 step = bar.n = back
                 continue
+            self.rollouts.publish(row["step"])          # async: these weights to the worker
             self.time_iteration(row, t_iter)
             done = row["step"]
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or done == cfg.train.steps:
