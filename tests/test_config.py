@@ -223,3 +223,15 @@ def test_config_hash_stable_and_sensitive():
     changed = load_config(None, ["seed=1", "sft.lr=0.002"])
     assert config_hash(changed.sft, changed.model) != config_hash(a.sft, a.model)
     assert config_hash(a.model, a.sft) != config_hash(a.sft, a.model)   # order of parts matters
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")
+                                        if p.parent.name != "compare"))
+def test_every_shipped_config_validates(path):
+    """Every training config in configs/ (the recipes included, which need a GPU and downloaded
+    files to run) passes the same validation as a run's: no stale or misspelt key ships."""
+    cfg = load_config(CONFIGS / path)
+    assert cfg.train.steps > 0 and cfg.run.dir
