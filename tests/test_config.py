@@ -243,3 +243,15 @@ def test_objective_kwargs_are_derived_from_the_config():
     # gspo's seq-mean reduces per-token extras (KL, entropy) as a mean of token means
     assert load_config(None, []).token_aggregation() == "seq-mean-token-mean"
     assert load_config(None, ["objective.name=cispo"]).token_aggregation() == "token-mean"
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")
+                                        if p.parent.name != "compare"))
+def test_every_shipped_config_validates(path):
+    """Every training config in configs/ (the recipes included, which need a GPU and downloaded
+    files to run) passes the same validation as a run's: no stale or misspelt key ships."""
+    cfg = load_config(CONFIGS / path)
+    assert cfg.train.steps > 0 and cfg.run.dir

@@ -64,9 +64,16 @@ def _next_line(hit: str) -> str:
 
 
 def test_user_code_is_imported_only_from_configured_specs():
-    """importlib.import_module appears only where 'module:function' specs are resolved."""
+    """importlib.import_module appears only where 'module:function' specs are resolved, and in
+    gspo.optional, which imports only the fixed optional packages of its own table."""
     sites = {h.split(":")[0] for h in _hits(r"import_module\s*\(|__import__\s*\(")}
-    assert sites == {"tasks/custom.py", "rewards/sandbox.py"}
+    assert sites == {"tasks/custom.py", "rewards/sandbox.py", "optional.py"}
+
+
+def test_optional_imports_only_its_own_table():
+    from gspo import optional
+    with pytest.raises(ValueError, match="no optional module"):
+        optional.require("os", "a test")
 
 
 def test_the_audit_sees_the_whole_package():

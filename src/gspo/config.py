@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import typing
 from importlib import resources
 from pathlib import Path
@@ -247,6 +248,12 @@ class RolloutConfig(Section):
     """Top-k sampling (0: off)."""
     dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
+    async_: bool = Field(False, alias="async")
+    """rollout.async: generate, score and take π_old of the next batches in a worker thread with its own copy of the policy while the trainer trains on this one (gspo.async_rollout, docs/performance.md). The batch of step k is sampled by the weights after step k - max_staleness, always (so runs are reproducible and resume exactly); one torch thread per side on CPU."""
+    max_staleness: int = Field(1, ge=0)
+    """With rollout.async: s, how many RL steps the sampling policy of a batch may lag the policy trained on it (its ratio is taken against that behaviour policy, docs/math.md). 0 runs in lockstep and reproduces the synchronous run exactly."""
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
 
 class ObjectiveConfig(Section):
@@ -522,6 +529,30 @@ class RewardsConfig(Section):
     """sandbox: address-space limit of the worker process."""
 
 
+ASYNC_OBJECTIVES_REFUSED = {"ppo": "its critic is trained on each batch in step with the policy",
+                            "dpo": "its pairs are not importance-weighted",
+                            "sft": "it trains on demonstrations, not rollouts"}
+
+
+def async_refusal(cfg: "TrainConfig") -> None:
+    """Raise ValueError (one line) for what rollout.async cannot serve (gspo.async_rollout)."""
+    s = cfg.rollout.max_staleness
+    why = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        why = "torchrun with more than one process (one generation worker per process is not built)"
+    elif cfg.objective.name in ASYNC_OBJECTIVES_REFUSED:
+        why = f"objective.name={cfg.objective.name}: {ASYNC_OBJECTIVES_REFUSED[cfg.objective.name]}"
+    elif cfg.moe.routing_replay != "none":
+        why = (f"moe.routing_replay={cfg.moe.routing_replay}: the experts would come from the "
+               "worker's policy, not the one the trainer replays them on")
+    elif cfg.guard.nan == "rollback" or any(r.action == "rollback" for r in cfg.guard.rules):
+        why = "a guard rollback: the batches in flight were sampled by the weights rolled back"
+    elif cfg.audit.every and s > 0:
+        why = "audit.every with max_staleness > 0: the audit records the trainer's weights as π_old"
+    if why is not None:
+        raise ValueError(f"rollout.async=true cannot serve {why}; set rollout.async=false")
+
+
 class TrainConfig(Section):
     seed: int = 0
     """Seeds model init, data order, sampling: same seed, same run (on CPU)."""
@@ -595,6 +626,8 @@ class TrainConfig(Section):
         if self.rollout.dtype not in ("model", self.model.dtype) and self.moe.routing_replay == "rollout":
             raise ValueError(f"rollout.dtype={self.rollout.dtype} samples with a copy of the policy, whose "
                              f"experts moe.routing_replay=rollout cannot capture: use rollout.dtype=model")
+        if self.rollout.async_:
+            async_refusal(self)
         if self.train.beta == 0 and any(r.kind == "kl_ref" for r in self.guard.rules):
             raise ValueError("guard rule kl_ref watches the KL to the reference policy: it needs "
                              "train.beta > 0")
@@ -713,7 +746,7 @@ def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return []
         model = ann
-    return list(model.model_fields)
+    return [f.alias or name for name, f in model.model_fields.items()]  # rollout.async, not async_
 
 
 def format_validation_error(err: ValidationError, model: type[BaseModel], source: str) -> str:

@@ -14,7 +14,10 @@ PACKAGE = {"math_verify": "math-verify"}
 
 
 def require(module: str, purpose: str) -> ModuleType:
-    """``import module``, or UserError naming ``purpose`` and the install command."""
+    """``import module``, or UserError naming ``purpose`` and the install command. Only the
+    modules of ``EXTRA`` (a fixed table, never a name from user input)."""
+    if module not in EXTRA:
+        raise ValueError(f"gspo.optional knows no optional module {module!r}")
     try:
         return importlib.import_module(module)
     except ImportError:

@@ -191,7 +191,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         with reading_checkpoint(key, path), warnings.catch_warnings():
             # peft 0.21 asks transformers 5 a deprecated question
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            model = PeftModel.from_pretrained(base, path, is_trainable=False).merge_and_unload()
+            model = PeftModel.from_pretrained(base, path, is_trainable=False,
+                                              local_files_only=True).merge_and_unload()
     elif (path / "config.json").is_file():
         with reading_checkpoint(key, path):
             # safetensors only: a pickled pytorch_model.bin is refused, never unpickled

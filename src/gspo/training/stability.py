@@ -23,7 +23,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -57,6 +57,22 @@ class RunControl:
     """``on_main(fn)``: ``fn()`` on rank 0, its result on every rank."""
     is_main: bool
     """This process writes the event log (rank 0 under torchrun)."""
+
+
+class StepGuard(Protocol):
+    """The hooks the loop calls around each RL step (gspo.training.stability.StabilityGuard)."""
+
+    def on_start(self, step: int) -> None:
+        """Before the first step of this session (a roll-back needs a checkpoint to go to)."""
+
+    def before_step(self, step: int) -> None:
+        """Learning rate for ``step``; a snapshot when a rule may undo the step."""
+
+    def after_step(self, row: dict) -> int | None:
+        """The verdict on the step's metrics: None to go on, or the step rolled back to."""
+
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict | None) -> None: ...
 
 
 # ----------------------------------------------------------------------------- state copies

@@ -100,6 +100,11 @@ class RLStep:
         self.objective_kwargs = self.cfg.objective_kwargs()
         self.aggregation = self.cfg.token_aggregation()
         self.device = next(self.model.parameters()).device
+        t = self.cfg.train
+        self.skips_rows = bool(self.spec and t.skip_zero_advantage and self.spec.zero_at_zero_advantage
+                               and self.ref_model is None and t.entropy_coef == 0
+                               and self.cfg.moe.aux_loss_coef == 0)
+        """Rows without signal skip the forward/backward (the loss allows it; unless audited)."""
 
     def __call__(self, step: int) -> dict:
         t_start, timer = time.perf_counter(), StepTimer(self.device)
@@ -197,13 +202,11 @@ class RLStep:
         minibatches = self.ranks.minibatch_rows(len(advantages), cfg.train.minibatches, gen)  # this rank's
         if not optimize or self.ranks.policy is not None:  # fsdp: forwards are collectives, none skipped
             return plan_update(minibatches, None, reuse_first=False)
-        skip = (cfg.train.skip_zero_advantage and self.spec.zero_at_zero_advantage  # the loss allows it
-                and self.ref_model is None and cfg.train.entropy_coef == 0
-                and cfg.moe.aux_loss_coef == 0 and not self.audit.due(step))
+        skip = self.skips_rows and not self.audit.due(step)
         mask = loss_mask(batch, cfg.train.mask_truncated)
         live = live_rows(advantages.cpu(), mask.cpu()) if skip else None                  # [N]
         reuse = (cfg.train.old_logprobs == "recompute" and batch.rollout_logp is None
-                 and cfg.moe.routing_replay != "old")
+                 and cfg.moe.routing_replay != "old" and "behaviour_logp" not in batch.extras)
         return plan_update(minibatches, live, reuse_first=reuse)
 
     def old_logprobs(self, batch: RolloutBatch, rows: Tensor | None = None) -> Tensor:
@@ -211,6 +214,8 @@ class RLStep:
         ``rows`` (CPU; None: all, the others stay 0 until the first minibatch fills them)."""
         if self.cfg.train.old_logprobs == "rollout":
             return batch.rollout_logp
+        if "behaviour_logp" in batch.extras:  # async, stale batch: π_old of the weights that sampled it
+            return batch.extras["behaviour_logp"]
         return self.passes.old_logprobs(batch, rows)
 
     @torch.no_grad()

@@ -18,7 +18,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -36,28 +35,13 @@ from gspo.rollout.evaluation import EvalResult, evaluate
 from gspo.training import algorithms, distributed, lora, provenance
 from gspo.storage import write_atomic, writing
 from gspo.training.checkpoint import load_latest
+from gspo.training.async_rollout import build_source
 from gspo.training.cold_start import initial_policy, prepare_policy
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
 from gspo.training.rundir import RunLock, claim
-from gspo.training.stability import RunControl, StabilityGuard
+from gspo.training.stability import RunControl, StabilityGuard, StepGuard
 from gspo.training.step import RLStep
-
-
-class StepGuard(Protocol):
-    """The hooks the loop calls around each RL step (gspo.training.stability.StabilityGuard)."""
-
-    def on_start(self, step: int) -> None:
-        """Before the first step of this session (a roll-back needs a checkpoint to go to)."""
-
-    def before_step(self, step: int) -> None:
-        """Learning rate for ``step``; a snapshot when a rule may undo the step."""
-
-    def after_step(self, row: dict) -> int | None:
-        """The verdict on the step's metrics: None to go on, or the step rolled back to."""
-
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict | None) -> None: ...
 
 
 class Trainer:
@@ -116,11 +100,15 @@ class Trainer:
         self.algorithm.setup(algorithms.PolicyParts(
             self.model, self.tokenizer, self.optimizer, self.scheduler, self.device, self.train_set,
             self.ref_model, passes, self.dist))     # ppo: the critic, from the policy
-        collector = Collector(cfg, self.model, self.tokenizer, self.task, self.train_set,
-                              self.cursor, self.rewards, self.dist, self.device)
-        recorder = Recorder.for_run(cfg, self.run_dir, self.model, self.tokenizer, collector.sampling)
-        self.step = RLStep(cfg, self.model, self.optimizer, self.scheduler, collector,
+        self.collector = Collector(cfg, self.model, self.tokenizer, self.task, self.train_set,
+                                   self.cursor, self.rewards, self.dist, self.device)
+        recorder = Recorder.for_run(cfg, self.run_dir, self.model, self.tokenizer,
+                                    self.collector.sampling)
+        self.step = RLStep(cfg, self.model, self.optimizer, self.scheduler, self.collector,
                            self.algorithm, passes, self.dist, recorder, self.task, self.ref_model)
+        self.rollouts = build_source(cfg, self.collector, passes, skip_rows=self.step.skips_rows,
+                                     log=self.log)   # each step's batch: collected now, or ahead
+        self.step.collector = self.rollouts
         if self.resume:
             self.restore_latest()
 
@@ -163,6 +151,7 @@ class Trainer:
         self.start_step = state["step"]
         self.history = state.get("history", {})
         self.algorithm.load(loaded.path, state.get("algorithm", {}))
+        self.rollouts.load(loaded.path)             # async: the weights of the batches in flight
 
     def save(self, step: int, wall: float) -> Path:
         self.metrics.flush()                    # TensorBoard as far as the checkpoint
@@ -172,7 +161,8 @@ class Trainer:
         return self.dist.save_checkpoint(self.run_dir, step, self.model, self.tokenizer,  # rank 0
                                          self.optimizer, self.scheduler, state,
                                          keep=self.cfg.run.keep_checkpoints,
-                                         extra=self.algorithm.save)  # ppo: critic files
+                                         extra=lambda folder: (self.algorithm.save(folder),  # ppo: critic
+                                                               self.rollouts.save(folder, step)))
 
     def save_now(self, step: int) -> Path:
         """Checkpoint of ``step`` done steps, with the wall time so far (the guard's RunControl)."""
@@ -182,7 +172,7 @@ class Trainer:
     def evaluate(self) -> EvalResult:
         """Held-out evaluation (under torchrun: on rank 0, its result sent to every rank)."""
         e = self.cfg.eval
-        with self.dist.full_params():
+        with self.dist.full_params(), self.rollouts.rng_lock:  # async: not while the worker samples
             return self.dist.on_main(lambda: evaluate(
                 self.model, self.tokenizer, self.task, self.test_set,
                 max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
@@ -205,6 +195,8 @@ class Trainer:
         try:
             return self.train()
         finally:
+            if getattr(self, "rollouts", None) is not None:  # (set-up may have failed before it)
+                self.rollouts.close()                        # async: the worker stopped and joined
             if self.run_lock is not None:   # another process may write this run now
                 self.run_lock.release()
 
@@ -231,6 +223,7 @@ class Trainer:
             if back is not None:                        # rolled back to the checkpoint of step back
                 step = bar.n = back
                 continue
+            self.rollouts.publish(row["step"])          # async: these weights to the worker
             self.time_iteration(row, t_iter)
             done = row["step"]
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or done == cfg.train.steps:

@@ -1,0 +1,203 @@
+"""Asynchronous rollouts (gspo.training.async_rollout): s = 0 is the synchronous run exactly, s = 1 trains
+on batches sampled one step earlier with π_old = the weights that sampled them, resume is exact,
+a stop joins the worker, and what it cannot serve is refused in one line.
+
+All runs: tiny-dense, no SFT, the first-character-parity reward (a signal in most groups), one
+torch thread per side (conftest's run.threads default), on CPU."""
+
+import shutil
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gspo.training import async_rollout
+from gspo.config import ConfigError, load_config
+from gspo.errors import Interrupted
+from gspo.core.logprobs import response_logprobs
+from gspo.observe.metrics import read_metrics
+from gspo.models.presets import load_model
+from gspo.training.trainer import Trainer
+from conftest import parity_rewards
+
+
+def _run(make_cfg, reward_module, *overrides, run="run", resume=False, logs=None):
+    cfg = make_cfg("sft.enabled=false", "train.steps=3", "run.save_every=1", "run.keep_checkpoints=5",
+                   parity_rewards(reward_module), *overrides, run=run)
+    Trainer(cfg, resume=resume, log=(logs.append if logs is not None else lambda m: None)).run()
+    return cfg.run.dir
+
+
+def _strip(rows):
+    """Rows without timings and without the async/* keys (which a synchronous run lacks)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/"))} for r in rows]
+
+
+def _weights(run_dir, step):
+    model, _ = load_model(f"{run_dir}/checkpoints/step_{step:06d}")
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _worker_threads():
+    return [t for t in threading.enumerate() if t.name == "gspo-rollout"]
+
+
+def test_staleness_zero_reproduces_the_synchronous_run(make_cfg, reward_module):
+    sync = _run(make_cfg, reward_module, run="sync")
+    lock = _run(make_cfg, reward_module, "rollout.async=true", "rollout.max_staleness=0", run="s0")
+    a, b = read_metrics(sync), read_metrics(lock)
+    assert _strip(a) == _strip(b)
+    assert [r["async/staleness"] for r in b[1:]] == [0.0, 0.0, 0.0]
+    assert any(r["reward/std"] > 0 for r in a[1:]), "the parity reward gives a signal"
+    for step in (1, 3):
+        wa, wb = _weights(sync, step), _weights(lock, step)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not _worker_threads()                          # joined at the end
+
+
+@pytest.fixture(scope="module")
+def stale(tmp_path_factory, small_config, reward_module):
+    """One s = 1 run, its batches recorded as the trainer got them."""
+    root = tmp_path_factory.mktemp("stale")
+    make_cfg = lambda *o, run="run": small_config(root, *o, run=run)  # noqa: E731
+    seen = {}
+    original = async_rollout.AsyncSource.collect
+
+    def recording(self, step):
+        out = original(self, step)
+        seen[step] = out[0]
+        return out
+    async_rollout.AsyncSource.collect = recording
+    try:
+        run = _run(make_cfg, reward_module, "rollout.async=true", "rollout.max_staleness=1")
+    finally:
+        async_rollout.AsyncSource.collect = original
+    return SimpleNamespace(root=root, make_cfg=make_cfg, run=run, seen=seen, reward=reward_module,
+                           rows=read_metrics(run))
+
+
+def test_stale_batches_are_one_step_old_and_change_the_run(stale, make_cfg, reward_module):
+    rows = stale.rows[1:]
+    # batch 0 and 1 are sampled by the initial weights, batch 2 by those after step 1
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["async/dropped_batches"] == 0 for r in rows)
+    assert all(r["async/wait_s/trainer"] >= 0 and r["async/wait_s/worker"] >= 0 for r in rows)
+    sync = read_metrics(_run(make_cfg, reward_module, run="sync"))
+    assert _strip(sync)[:2] == _strip(stale.rows)[:2]      # step 1: the same batch and update
+    assert _strip(sync)[2]["reward/mean"] != _strip(stale.rows)[2]["reward/mean"] or \
+        _strip(sync)[2]["policy/loss"] != _strip(stale.rows)[2]["policy/loss"]
+
+
+def test_old_logprobs_of_a_stale_batch_are_the_behaviour_policys(stale, small_config):
+    """π_old of batch 2 (sampled by version 1) = log-probs under the step-1 checkpoint, not θ_2."""
+    cfg = small_config(stale.root, "sft.enabled=false")
+    batch = stale.seen[2]
+    old = batch.extras["behaviour_logp"]                                         # [N, T]
+    assert "behaviour_logp" not in stale.seen[0].extras    # on-policy: the trainer recomputes
+    rewards = torch.tensor([float(ord(c[0]) % 2) if c else 0.0 for c in batch.completions])
+    rows = async_rollout.behaviour_rows(rewards, cfg.rollout.group_size)
+    assert 0 < len(rows)
+    behaviour, _ = load_model(f"{stale.run}/checkpoints/step_000001")
+    current, _ = load_model(f"{stale.run}/checkpoints/step_000002")
+    mb = batch.select(rows)
+    with torch.no_grad():
+        want = response_logprobs(behaviour, mb.input_ids, mb.attention_mask, mb.response_mask,
+                                 temperature=cfg.rollout.temperature).logp        # [n, T]
+        newer = response_logprobs(current, mb.input_ids, mb.attention_mask, mb.response_mask,
+                                  temperature=cfg.rollout.temperature).logp
+    torch.testing.assert_close(old[rows], want, atol=2e-5, rtol=0)
+    assert (newer - want).abs().max() > 1e-4      # the trained weights would give other values
+
+
+def test_resume_at_staleness_one_is_exact(stale):
+    """Resume from step 1: batch 1 is regenerated by version 0 (kept in the checkpoint), and steps
+    2-3 reproduce the uninterrupted run (metrics and weights)."""
+    run = stale.root / "resumed"
+    shutil.copytree(stale.run, run)
+    for step in (2, 3):
+        shutil.rmtree(run / "checkpoints" / f"step_{step:06d}")
+    (run / "summary.json").unlink()
+    assert (run / "checkpoints" / "step_000001" / "behaviour-0.safetensors").is_file()
+    logs = []
+    _run(stale.make_cfg, stale.reward, "rollout.async=true", "rollout.max_staleness=1",
+         run="resumed", resume=True, logs=logs)
+    assert any("(step 1)" in line for line in logs)
+    assert not any("no weights of versions" in line for line in logs)
+    assert _strip(read_metrics(run)) == _strip(stale.rows)
+    a, b = _weights(run, 3), _weights(stale.run, 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stop_saves_and_joins_the_worker(make_cfg, reward_module):
+    cfg = make_cfg("sft.enabled=false", "train.steps=5", parity_rewards(reward_module),
+                   "rollout.async=true", "rollout.max_staleness=1")
+    trainer = Trainer(cfg, log=lambda m: None)
+    trainer.stop = SimpleNamespace(signum=None)
+    original = trainer.log_row
+
+    def stop_after_two(row):          # as a SIGTERM during step 2 would (gspo.training.signals)
+        original(row)
+        if row.get("step") == 2:
+            trainer.stop.signum = 15
+    trainer.log_row = stop_after_two
+    with pytest.raises(Interrupted):
+        trainer.run()
+    assert not _worker_threads()
+    assert (trainer.run_dir / "checkpoints" / "step_000002").is_dir()
+    assert [r["step"] for r in read_metrics(trainer.run_dir)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("objective.name=ppo", "objective.name=ppo"),
+    ("objective.name=dpo", "objective.name=dpo"),
+    ("moe.routing_replay=old", "moe.routing_replay=old"),
+    ("guard.nan=rollback", "rollback"),
+    ("audit.every=1", "audit.every"),
+])
+def test_what_it_cannot_serve_is_refused_in_one_line(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.async=true", override])
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_torchrun_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="torchrun"):
+        load_config(None, ["rollout.async=true"])
+    load_config(None, ["rollout.async=false"])          # the synchronous loop is unaffected
+
+
+def test_config_round_trips_the_async_key(tmp_path):
+    from gspo.config import dump_yaml
+    cfg = load_config(None, ["rollout.async=true", "rollout.max_staleness=2"])
+    dump_yaml(cfg, tmp_path / "c.yaml")
+    assert "async: true" in (tmp_path / "c.yaml").read_text()
+    assert load_config(tmp_path / "c.yaml") == cfg
+    with pytest.raises(ConfigError):
+        load_config(None, ["rollout.max_staleness=-1"])
+
+
+def test_behaviour_rows_are_the_groups_with_a_signal():
+    r = torch.tensor([1., 1., 1., 0., 1., 0., 2., 2., float("nan"), 1.])
+    assert async_rollout.behaviour_rows(r, 2).tolist() == [2, 3, 4, 5, 8, 9]
+
+
+def test_a_bfloat16_sampler_with_correction_is_corrected_against_the_behaviour_policy(
+        make_cfg, reward_module):
+    """rollout.dtype=bfloat16 + tis: the sampler's log-probs (a bf16 copy of π_v, on the worker)
+    are weighed against π_v's float32 log-probs of every row: the mismatch is the dtype's alone,
+    as small as in the synchronous run, not one RL step of training."""
+    extra = ("rollout.dtype=bfloat16", "train.rollout_correction.mode=tis")
+    stale = read_metrics(_run(make_cfg, reward_module, *extra, "rollout.async=true",
+                              "rollout.max_staleness=1", run="bf16-async"))[1:]
+    sync = read_metrics(_run(make_cfg, reward_module, *extra, run="bf16-sync"))[1:]
+    assert [r["async/staleness"] for r in stale] == [0.0, 1.0, 1.0]
+    kl = [r["mismatch/kl"] for r in stale]
+    assert all(0 <= k < 10 * max(r["mismatch/kl"] for r in sync) for k in kl), (kl, sync)
+    assert not _worker_threads()
+
+
+def test_a_misspelt_key_is_told_the_yaml_name():
+    with pytest.raises(ConfigError, match="did you mean 'async'"):
+        load_config(None, ["rollout.asyn=true"])
