@@ -45,7 +45,7 @@ def main() -> None:
     trainer = Trainer(cfg, log=lambda m: None)
     trainer.setup()
     step, passes = trainer.step, trainer.step.passes
-    batch, rewards, _ = step.collector.collect(0)
+    batch, rewards, _ = trainer.collector.collect(0)
     old_logp = step.old_logprobs(batch)                        # captures pi_old's experts
     routing = batch.extras["routing"]                          # [N, L, layers, k] uint8
     T = batch.response_mask.shape[1]

@@ -222,7 +222,7 @@ def _trainer_updates(run_dir: Path, strategy: str, optimized: bool) -> tuple:
     examples = trainer.train_set[:P]
     history = []
     for step in range(2):
-        batch = trainer.step.collector.generate(examples, seed=100 + step)      # the same on every rank
+        batch = trainer.collector.generate(examples, seed=100 + step)      # the same on every rank
         rewards = torch.tensor([float(len(c) % 3) for c in batch.completions])
         advantages = group_advantages(rewards, G)
         rows = _rows(dist.rank, dist.world)

@@ -117,7 +117,7 @@ def test_rloo_is_selected_by_config_and_handles_drops():
 
 def test_row_skipping_follows_the_objective_flag(fresh):
     t = fresh("rollout.prompts_per_step=4", "rollout.group_size=4")
-    batch, rewards, _ = t.step.collector.collect(0)
+    batch, rewards, _ = t.collector.collect(0)
     adv = group_advantages(torch.tensor([1.0, 0, 0, 0] * 4), 4)
     adv.view(-1, 4)[::2] = 0.0                                            # groups 0, 2: no signal
     assert t.step.plan(batch, adv, 0).skipped == 8
@@ -167,7 +167,7 @@ def test_online_dpo_trains_against_the_cold_start(make_cfg, reward_module):
 
 def test_online_dpo_pairs_skip_dropped_and_masked_rows(fresh):
     t = fresh("objective.name=dpo", "rollout.prompts_per_step=2", "rollout.group_size=4")
-    batch, _, _ = t.step.collector.collect(0)
+    batch, _, _ = t.collector.collect(0)
     nan = float("nan")
     rewards = torch.tensor([nan, 1.0, 0.0, 0.5, 2.0, 2.0, 2.0, 2.0])
     win, lose, _ = t.algorithm.pairs(batch, rewards)

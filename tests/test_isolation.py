@@ -186,7 +186,7 @@ def test_dropped_samples_leave_the_loss_mask(make_cfg, reward_module):
     t = Trainer(make_cfg("sft.enabled=false", f"rewards.sources=[{{type: function, fn: '{reward_module}'}}]",
                          "train.minibatches=1"), log=lambda m: None)
     t.setup()
-    batch, rewards, _ = t.step.collector.collect(0)
+    batch, rewards, _ = t.collector.collect(0)
     batch.extras["dropped"] = torch.ones(len(rewards), dtype=torch.bool)   # everything dropped
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     adv = group_advantages(rewards, 4)
@@ -232,7 +232,7 @@ def test_drop_policy_in_a_training_step(make_cfg, flaky):
     t = Trainer(make_cfg("sft.enabled=false", flaky, "rewards.on_error=drop", "train.minibatches=1",
                          "rollout.group_size=8", "rollout.prompts_per_step=4"), log=lambda m: None)
     t.setup()
-    batch, rewards, stats = t.step.collector.collect(0)
+    batch, rewards, stats = t.collector.collect(0)
     failed = ~torch.isfinite(rewards)
     assert 0 < stats["reward/errors"] == int(failed.sum()) < len(rewards), "this seed must mix"
     assert math.isfinite(stats["reward/mean"])

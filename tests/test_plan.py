@@ -100,8 +100,8 @@ def test_optimized_update_equals_the_plain_one(pair, preset):
     skipped rows are counted; MoE: the same routing metrics from the split forwards' layout."""
     fast, plain = pair(f"model.preset={preset}", "rollout.prompts_per_step=4", "rollout.group_size=4")
     plain.step.passes.split_forwards = False                  # no trimming, no shared prompts
-    batch, rewards, _ = fast.step.collector.collect(0)
-    batch_b, _, _ = plain.step.collector.collect(0)
+    batch, rewards, _ = fast.collector.collect(0)
+    batch_b, _, _ = plain.collector.collect(0)
     assert torch.equal(batch.input_ids, batch_b.input_ids)
     start = _weights(fast)
     adv = group_advantages(rewards, 4)
@@ -128,7 +128,7 @@ def test_rows_without_signal_still_get_the_optimizer_step(pair):
     fast, plain = pair()
     start = _weights(fast)
     for t, optimize in ((fast, True), (plain, False)):
-        batch, rewards, _ = t.step.collector.collect(0)
+        batch, rewards, _ = t.collector.collect(0)
         _update(t, batch, group_advantages(rewards, 4), 0, optimize)
         before = _weights(t)
         row, _ = _update(t, batch, torch.zeros_like(rewards), 1, optimize)
@@ -151,7 +151,7 @@ def test_one_minibatch_needs_no_old_pass_and_is_on_policy_bit_for_bit(pair, monk
 
 def test_kl_and_entropy_bonus_train_every_row(pair):
     t, _ = pair("train.beta=0.1", "train.entropy_coef=0.01")
-    batch, rewards, _ = t.step.collector.collect(0)
+    batch, rewards, _ = t.collector.collect(0)
     plan = t.step.plan(batch, torch.zeros_like(rewards), 0)
     assert plan.skipped == 0                                             # their terms need every row
 

@@ -203,7 +203,7 @@ def test_model_path_base_tokenizer_gets_the_end_of_turn_as_eos(tmp_path, bpe, ma
     eot = bpe.convert_tokens_to_ids(IM_END)
     assert trainer.tokenizer.eos_token_id == eot and trainer.tokenizer.pad_token == "<|endoftext|>"
     assert trainer.train_set[0].prompt.startswith(f"{IM_START}user\n")
-    batch = trainer.step.collector.generate(trainer.train_set[:2], seed=0)
+    batch = trainer.collector.generate(trainer.train_set[:2], seed=0)
     for row, mask, truncated in zip(batch.response_ids, batch.response_mask, batch.truncated):
         n = int(mask.sum())
         assert truncated or (row[n - 1] == eot and eot not in row[:n - 1].tolist())

@@ -198,7 +198,7 @@ def test_fresh_run_in_used_dir(base, small_config):
 
 def test_first_minibatch_is_exactly_on_policy(fresh):
     t = fresh("train.minibatches=1")
-    batch, rewards, _ = t.step.collector.collect(0)
+    batch, rewards, _ = t.collector.collect(0)
     old = t.step.old_logprobs(batch)                                          # [N, T]
     t.model.train()
     new = t.step.passes.logprobs(t.model, batch, with_entropy=True).logp            # with grad, like update
@@ -294,7 +294,7 @@ def test_dynamic_sampling_keeps_whole_informative_groups(fresh, monkeypatch):
         return out
 
     monkeypatch.setattr(collect_module, "generate", spy)
-    batch, rewards, stats = t.step.collector.collect(0)
+    batch, rewards, stats = t.collector.collect(0)
     assert stats["reward/refill_rounds"] >= 1, "this seed must exercise the refill"
     assert len(set(widths)) > 1, "rounds of different prompt widths"
     N = len(rewards)
@@ -329,7 +329,7 @@ def test_dynamic_sampling_all_groups_constant(make_cfg):
 
 def test_update_with_fewer_rows_than_minibatches(fresh):
     t = fresh("rollout.group_size=2", "train.minibatches=4")
-    batch, rewards, _ = t.step.collector.collect(0)
+    batch, rewards, _ = t.collector.collect(0)
     g = next(j for j in range(4) if rewards[2 * j] != rewards[2 * j + 1])
     rows = torch.tensor([2 * g, 2 * g + 1])                              # one informative group
     small = batch.select(rows)

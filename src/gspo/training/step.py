@@ -100,11 +100,7 @@ class RLStep:
         self.objective_kwargs = self.cfg.objective_kwargs()
         self.aggregation = self.cfg.token_aggregation()
         self.device = next(self.model.parameters()).device
-        t = self.cfg.train
-        self.skips_rows = bool(self.spec and t.skip_zero_advantage and self.spec.zero_at_zero_advantage
-                               and self.ref_model is None and t.entropy_coef == 0
-                               and self.cfg.moe.aux_loss_coef == 0)
-        """Rows without signal skip the forward/backward (the loss allows it; unless audited)."""
+        self.skips_rows = skips_rows(self.cfg, self.algorithm.objective, self.ref_model)
 
     def __call__(self, step: int) -> dict:
         t_start, timer = time.perf_counter(), StepTimer(self.device)
@@ -299,6 +295,15 @@ class RLStep:
             batch.lengths.cpu(), rewards.cpu(), correct, record.logp, old_logp, advantages,
             record.mask, objective=self.objective, objective_kwargs=self.objective_kwargs,
             buckets=diagnostics.length_buckets(self.cfg.rollout.max_new_tokens, n))
+
+
+def skips_rows(cfg: TrainConfig, objective: str | None, ref_model) -> bool:
+    """Whether rows without signal skip the forward/backward (unless a step is audited): asked
+    for, the loss is 0 in value and gradient at Â = 0, and no per-token term needs every row."""
+    t = cfg.train
+    return bool(objective and t.skip_zero_advantage
+                and objectives.spec(objective).zero_at_zero_advantage and ref_model is None
+                and t.entropy_coef == 0 and cfg.moe.aux_loss_coef == 0)
 
 
 def minibatches(plan: UpdatePlan, mask: Tensor, device: torch.device):

@@ -41,7 +41,7 @@ from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
 from gspo.training.rundir import RunLock, claim
 from gspo.training.stability import RunControl, StabilityGuard, StepGuard
-from gspo.training.step import RLStep
+from gspo.training.step import RLStep, skips_rows
 
 
 class Trainer:
@@ -104,11 +104,10 @@ class Trainer:
                                    self.cursor, self.rewards, self.dist, self.device)
         recorder = Recorder.for_run(cfg, self.run_dir, self.model, self.tokenizer,
                                     self.collector.sampling)
-        self.step = RLStep(cfg, self.model, self.optimizer, self.scheduler, self.collector,
+        self.rollouts = build_source(cfg, self.collector, passes, log=self.log,  # now, or ahead
+                                     skip_rows=skips_rows(cfg, self.algorithm.objective, self.ref_model))
+        self.step = RLStep(cfg, self.model, self.optimizer, self.scheduler, self.rollouts,
                            self.algorithm, passes, self.dist, recorder, self.task, self.ref_model)
-        self.rollouts = build_source(cfg, self.collector, passes, skip_rows=self.step.skips_rows,
-                                     log=self.log)   # each step's batch: collected now, or ahead
-        self.step.collector = self.rollouts
         if self.resume:
             self.restore_latest()
 
