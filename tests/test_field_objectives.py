@@ -12,12 +12,14 @@ import torch
 from gspo.tools import audit
 from gspo import objective_presets as presets
 from gspo.training.algorithms import GroupRelative, OnlineDPO, get
+from gspo.core import objectives
 from gspo.core.advantages import group_advantages, rloo_advantages
 from gspo.config import ConfigError, dump_yaml, load_config
 from gspo.observe.metrics import read_metrics
 from gspo.rollout.collect import mark_dropped
 from gspo.rollout.data import build_task
 from gspo.training.cold_start import initial_policy
+from gspo.training.step import skips_rows
 from gspo.training.trainer import Trainer
 from conftest import parity_rewards
 
@@ -115,14 +117,17 @@ def test_rloo_is_selected_by_config_and_handles_drops():
 
 # ----------------------------------------------------------------------------- the skip flag
 
-def test_row_skipping_follows_the_objective_flag(fresh):
+def test_row_skipping_follows_the_objective_flag(fresh, monkeypatch):
     t = fresh("rollout.prompts_per_step=4", "rollout.group_size=4")
     batch, rewards, _ = t.collector.collect(0)
     adv = group_advantages(torch.tensor([1.0, 0, 0, 0] * 4), 4)
     adv.view(-1, 4)[::2] = 0.0                                            # groups 0, 2: no signal
     assert t.step.plan(batch, adv, 0).skipped == 8
-    t.step.spec = dataclasses.replace(t.step.spec, zero_at_zero_advantage=False)   # not ∝ Â
-    assert t.step.plan(batch, adv, 0).skipped == 0
+    real = objectives.spec                                                # an objective not ∝ Â:
+    monkeypatch.setattr(objectives, "spec",
+                        lambda n: dataclasses.replace(real(n), zero_at_zero_advantage=False))
+    t.step.skips_rows = skips_rows(t.cfg, "gspo", None)
+    assert not t.step.skips_rows and t.step.plan(batch, adv, 0).skipped == 0
 
 
 # ----------------------------------------------------------------------------- end to end
