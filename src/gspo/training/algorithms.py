@@ -107,6 +107,19 @@ class Algorithm(Protocol):
         """Restore from a checkpoint folder and its ``state_dict``."""
 
 
+class Stateless:
+    """The checkpoint half of ``Algorithm`` for an algorithm whose state is the policy's alone."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def save(self, path: Path) -> None:
+        pass
+
+    def load(self, path: Path, state: dict) -> None:
+        pass
+
+
 def single_process(parts: PolicyParts, name: str) -> None:
     if parts.ranks.enabled:
         raise ValueError(f"objective.name={name} runs in one process for now (its second model "
@@ -115,7 +128,7 @@ def single_process(parts: PolicyParts, name: str) -> None:
 
 # ----------------------------------------------------------------------------- group-relative
 
-class GroupRelative:
+class GroupRelative(Stateless):
     """Group-relative advantages (``advantage.estimator``: group, GSPO Eq. 6 | rloo; dropped
     samples get 0) for a registry objective."""
 
@@ -142,15 +155,6 @@ class GroupRelative:
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
         return {}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def save(self, path: Path) -> None:
-        pass
-
-    def load(self, path: Path, state: dict) -> None:
-        pass
 
 
 # ----------------------------------------------------------------------------- PPO
@@ -335,7 +339,7 @@ class SFTBaseline:
 
 # ----------------------------------------------------------------------------- online DPO
 
-class OnlineDPO:
+class OnlineDPO(Stateless):
     """Online DPO (arXiv 2305.18290's loss on on-policy pairs, as arXiv 2402.04792): from each
     group of G rollouts, the best-rewarded response is preferred to the worst-rewarded one; groups
     without a reward difference give no pair. Reference: the cold-start policy (the trainer's
@@ -400,14 +404,6 @@ class OnlineDPO:
         numbers = torch.stack([torch.stack(collected[k]).mean() for k in keys]).tolist()
         return {**out, **dict(zip(keys, numbers)), "optim/lr": t.scheduler.get_last_lr()[0]}
 
-    def state_dict(self) -> dict:
-        return {}
-
-    def save(self, path: Path) -> None:
-        pass
-
-    def load(self, path: Path, state: dict) -> None:
-        pass
 
 
 # ----------------------------------------------------------------------------- registry
