@@ -75,7 +75,8 @@ class MultiStep:
         if not 0.0 <= flawed_fraction <= 1.0:
             raise ValueError(f"multistep: flawed_fraction must be in [0, 1], got {flawed_fraction}")
         if labelled and max_terms > len(LABELS):
-            raise ValueError(f"multistep: labelled lists have at most {len(LABELS)} terms, got max_terms={max_terms}")
+            raise ValueError(f"multistep: labelled lists have at most {len(LABELS)} terms, "
+                             f"got max_terms={max_terms}")
         if flawed_min_terms < 0:
             raise ValueError(f"multistep: flawed_min_terms must be >= 0, got {flawed_min_terms}")
         self.direct_fraction, self.flawed_fraction = direct_fraction, flawed_fraction
