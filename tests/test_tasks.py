@@ -202,6 +202,44 @@ def test_multistep_answer_lengths_span_short_to_long():
     assert means == sorted(means)  # length grows with the number of terms
 
 
+def test_multistep_flawed_min_terms_spares_short_lists():
+    """Below flawed_min_terms every demonstration is right; from it on the flawed teacher drops
+    the last number at about flawed_fraction; the prompts are the same as without the option."""
+    kw = dict(n_train=3000, n_test=10, min_terms=3, max_terms=8, max_value=9, flawed_fraction=0.7)
+    spared, plain = tasks.build("multistep", flawed_min_terms=6, **kw), tasks.build("multistep", **kw)
+    assert [e.prompt for e in spared.split("train")] == [e.prompt for e in plain.split("train")]
+    short = [e for e in spared.split("train") if len(e.data["numbers"]) < 6]
+    long = [e for e in spared.split("train") if len(e.data["numbers"]) >= 6]
+    assert all(e.answer.endswith(f"#{e.data['target']}") for e in short)
+    dropped = [e.answer.endswith(f"#{sum(e.data['numbers'][:-1])}") for e in long]
+    assert len(long) > 1000 and 0.65 < sum(dropped) / len(long) < 0.75
+    with pytest.raises(ValueError, match="flawed_min_terms"):
+        tasks.build("multistep", flawed_min_terms=-1)
+
+
+def test_multistep_labelled_format():
+    t = tasks.build("multistep", labelled=True, min_terms=3, max_terms=26, **SMALL)
+    for e in t.split("train"):
+        items = e.prompt[2:-1].split()
+        labels, nums = [x[0] for x in items], [int(x[1:]) for x in items]
+        assert labels == list(string.ascii_lowercase[:len(nums)]) and nums == e.data["numbers"]
+        steps = e.answer.split("#")[0].split(",")
+        assert [step.split("+")[1].split("=")[0] for step in steps] == items[1:]  # "b7", "c31", ...
+    e = Example("S a12 b7 c31 d5:", "12+b7=19,19+c31=50,50+d5=55#55",
+                {"numbers": [12, 7, 31, 5], "target": 55})
+    assert t.reward(e.answer, e) == 1.0 and t.reward("12+b7=19,19+c31=50#50", e) == 0.0
+    with pytest.raises(ValueError, match="at most 26 terms"):
+        tasks.build("multistep", labelled=True, max_terms=27)
+
+
+def test_multistep_labelled_hand_example():
+    # The first training example of seed 0 with these settings, worked out by hand.
+    t = tasks.build("multistep", labelled=True, min_terms=3, max_terms=10, max_value=9, n_train=1, n_test=1)
+    e = t.split("train")[0]
+    assert e.prompt == "S a9 b3 c5 d3 e2 f5:"
+    assert e.answer == "9+b3=12,12+c5=17,17+d3=20,20+e2=22,22+f5=27#27" and e.data["target"] == 27
+
+
 # -------------------------------------------------------------------------------- countdown
 
 
