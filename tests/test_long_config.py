@@ -11,8 +11,8 @@ import statistics
 
 from gspo import tasks
 from gspo.config import load_config
-from gspo.models import build_char_tokenizer
-from gspo.trainer import build_task
+from gspo.models.presets import build_char_tokenizer
+from gspo.rollout.data import build_task
 
 CONFIG = "configs/long.yaml"
 
