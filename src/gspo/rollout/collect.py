@@ -182,6 +182,19 @@ class Collector:
             self.engine.sync_weights(self.model)
         return self.engine
 
+    def close(self) -> None:
+        """Release the engine (end of the run)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def eval_engine(self) -> engines.Engine | None:
+        """The engine evaluation samples through, synced: the rollout engine when it has its own
+        kernels (vllm: the fast sampler for greedy and pass@k too); None for hf, whose
+        evaluation stays transformers on the policy in its own dtype."""
+        engine = self.sampler()
+        return engine if engine.module is None else None
+
     def generate(self, examples, seed: int) -> RolloutBatch:
         cfg, engine = self.cfg, self.sampler()
         with_logprobs = (cfg.train.old_logprobs == "rollout" or cfg.train.log_rollout_logprobs

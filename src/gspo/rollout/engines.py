@@ -74,6 +74,9 @@ class Engine(ABC):
     def wake_up(self) -> None:
         """Undo ``sleep``."""
 
+    def close(self) -> None:
+        """Release the engine for good (vllm: its engine core and process group); default: nothing."""
+
 
 _REGISTRY: dict[str, type[Engine]] = {}
 _REQUIRES: dict[str, str] = {}
@@ -226,6 +229,12 @@ class VLLMEngine(Engine):
     def sync_weights(self, model: PreTrainedModel) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
         self.llm.reset_prefix_cache()        # cached prompt KV was computed with the old weights
+
+    def close(self) -> None:
+        # before the process exits: vLLM's own clean-up at exit would find the (one-process)
+        # process group it created already destroyed by the CLI, and print a traceback
+        self.llm.llm_engine.engine_core.shutdown()
+        self._dir.cleanup()
 
     def sleep(self) -> None:
         if self.can_sleep and not self.sleeping:
