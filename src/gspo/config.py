@@ -43,6 +43,15 @@ BASELINES = ("dpo", "sft")
 """objective.name values that are not a policy loss: online DPO and continued SFT at RL's budget
 (gspo.training.algorithms implements them; every other name is a gspo.core.objectives loss)."""
 
+ENGINES = ("hf", "vllm")
+"""rollout.engine values: the samplers of gspo.rollout.engines, declared here by name because that
+registry sits above this layer (it refuses to import if the two disagree)."""
+
+DEFAULT_CORRECTION = {"hf": "none", "vllm": "tis"}
+"""train.rollout_correction.mode when left unset, per rollout.engine: none when the policy samples
+itself; tis (cap 2) for vLLM, whose kernels give other log-probs than the trainer's (as TRL
+corrects by default)."""
+
 MOVED = {"reward": "rewards"}
 """Sections renamed or merged (old name -> new one): refused with the new key, e.g.
 reward.on_error -> rewards.on_error."""
@@ -248,12 +257,19 @@ class RolloutConfig(Section):
     """Top-k sampling (0: off)."""
     dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
+    engine: str = "hf"
+    """Generation engine (gspo.rollout.engines, docs/engines.md): hf (transformers generate on the policy, or on its rollout.dtype copy) | vllm (a vLLM engine in this process built once from the policy after the cold start, weights synced in place before every step's generation; optional package; one process, no LoRA, no moe.routing_replay=rollout, no rollout.async, not qwen3_moe models). With vllm the sampler's log-probs are always returned (mismatch/* every step) and train.rollout_correction defaults to tis."""
     async_: bool = Field(False, alias="async")
     """rollout.async: generate, score and take π_old of the next batches in a worker thread with its own copy of the policy while the trainer trains on this one (gspo.async_rollout, docs/performance.md). The batch of step k is sampled by the weights after step k - max_staleness, always (so runs are reproducible and resume exactly); one torch thread per side on CPU."""
     max_staleness: int = Field(1, ge=0)
     """With rollout.async: s, how many RL steps the sampling policy of a batch may lag the policy trained on it (its ratio is taken against that behaviour policy, docs/math.md). 0 runs in lockstep and reproduces the synchronous run exactly."""
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, name: str) -> str:
+        return one_of("engine", name, list(ENGINES))
 
 
 class ObjectiveConfig(Section):
@@ -351,8 +367,8 @@ class DPOConfig(Section):
 
 
 class RolloutCorrectionConfig(Section):
-    mode: str = "none"
-    """Weight or mask the policy loss by π_old/π_rollout, the trainer's recomputed log-probs over the sampler's (gspo.core.correction, docs/math.md): none | tis (token weight min(ρ_t, cap)) | seq_tis (response weight min(ρ_i, cap), ρ_i the geometric mean) | seq_mask (drop a response unless low ≤ ρ_i ≤ high) | icepop (drop a token unless low ≤ ρ_t ≤ high). Anything but none asks the sampler for its log-probs and logs mismatch/kl, ratio_min, ratio_max, masked_frac, is_weight_mean."""
+    mode: str | None = None
+    """None: per rollout.engine, none for hf, tis for vllm (config.DEFAULT_CORRECTION; a run's config.yaml shows the value used). Weight or mask the policy loss by π_old/π_rollout, the trainer's recomputed log-probs over the sampler's (gspo.core.correction, docs/math.md): none | tis (token weight min(ρ_t, cap)) | seq_tis (response weight min(ρ_i, cap), ρ_i the geometric mean) | seq_mask (drop a response unless low ≤ ρ_i ≤ high) | icepop (drop a token unless low ≤ ρ_t ≤ high). Anything but none asks the sampler for its log-probs and logs mismatch/kl, ratio_min, ratio_max, masked_frac, is_weight_mean."""
     cap: float | None = Field(None, gt=0)
     """tis, seq_tis: the truncation C of the importance weight (None: 2.0)."""
     low: float | None = Field(None, ge=0)
@@ -362,8 +378,8 @@ class RolloutCorrectionConfig(Section):
 
     @field_validator("mode")
     @classmethod
-    def _mode(cls, name: str) -> str:
-        return one_of("rollout correction", name, correction.available())
+    def _mode(cls, name: str | None) -> str | None:
+        return None if name is None else one_of("rollout correction", name, correction.available())
 
     @model_validator(mode="after")
     def _params(self) -> "RolloutCorrectionConfig":
@@ -622,6 +638,7 @@ class TrainConfig(Section):
         if self.moe.routing_replay == "old" and self.train.old_logprobs != "recompute":
             raise ValueError("moe.routing_replay=old captures experts in the recomputed old-log-prob "
                              "pass: it needs train.old_logprobs=recompute (or use routing_replay=rollout)")
+        self._check_engine()
         self._check_rollout_correction()
         if self.rollout.dtype not in ("model", self.model.dtype) and self.moe.routing_replay == "rollout":
             raise ValueError(f"rollout.dtype={self.rollout.dtype} samples with a copy of the policy, whose "
@@ -649,15 +666,40 @@ class TrainConfig(Section):
                              "reference are copies of the whole policy); use a group-relative objective")
         return self
 
+    def _check_engine(self) -> None:
+        """What rollout.engine cannot serve (vllm); the package and the model type are checked
+        by the preflight (gspo.rollout.engines.check), before any model is built."""
+        if self.rollout.engine == "hf":
+            return
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        refused = [
+            (self.moe.routing_replay == "rollout",
+             "moe.routing_replay=rollout: the engine does not return the experts it routed to"),
+            (self.model.lora is not None,
+             "model.lora: the weight sync sends whole weights, not adapters (merging is not built)"),
+            (self.rollout.async_, "rollout.async: its worker samples with its own copy of the policy"),
+            (world > 1, f"torchrun with {world} processes (one engine per node is not built)"),
+        ]
+        for refuse, why in refused:
+            if refuse:
+                raise ValueError(f"rollout.engine={self.rollout.engine} cannot serve {why}; "
+                                 f"use rollout.engine=hf")
+
     def _check_rollout_correction(self) -> None:
-        """A correction weighs a recomputed π_old against the sampler's log-probs."""
+        """A correction weighs a recomputed π_old against the sampler's log-probs. Unset: the
+        engine's default (DEFAULT_CORRECTION; none under train.old_logprobs=rollout, whose π_old
+        is the sampler's)."""
+        if self.train.rollout_correction.mode is None:
+            self.train.rollout_correction.mode = (DEFAULT_CORRECTION[self.rollout.engine]
+                                                  if self.train.old_logprobs == "recompute" else "none")
         mode = self.train.rollout_correction.mode
         if mode != "none" and self.train.old_logprobs != "recompute":
             raise ValueError(f"train.rollout_correction.mode={mode} weighs the trainer's π_old against the "
                              f"sampler's log-probs: it needs train.old_logprobs=recompute")
         if mode != "none" and self.audit.every:
             raise ValueError(f"train.rollout_correction.mode={mode} changes the loss mask and advantages, "
-                             f"which `gspo audit` does not re-derive yet: use audit.every=0")
+                             f"which `gspo audit` does not re-derive yet: use audit.every=0 (or "
+                             f"train.rollout_correction.mode=none)")
 
     @property
     def batch_size(self) -> int:

@@ -157,7 +157,7 @@ class Collector:
     rewards: Callable                  # (completions, examples) -> RewardResult
     shards: Shards
     device: torch.device
-    engine: object = None              # the hf engine that samples (made on first use)
+    engine: engines.Engine | None = None   # rollout.engine, built on first use (``sampler``)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -168,24 +168,44 @@ class Collector:
         """This rank's sampling seed of round ``rnd`` of ``step`` (recorded for audits)."""
         return self.shards.seed(rollout_seed(self.cfg.seed, step, rnd))
 
-    def sampler(self):
-        """The model that samples, with the policy's current weights: the policy itself, or
-        (rollout.dtype) the hf engine's copy of it in that dtype."""
+    def sampler(self) -> engines.Engine:
+        """The rollout.engine, built from the policy on first use (after the cold start), else
+        synced with the policy's current weights (in place; a no-op for hf on the policy itself).
+        Called before each generation, so the weights after every optimizer step, a guard's
+        skip or roll-back, or a resume are the ones sampled from."""
         if self.engine is None:
             dtype = self.cfg.rollout.dtype
-            self.engine = engines.build("hf", self.model, self.tokenizer,
-                                        dtype=None if dtype == "model" else DTYPES[dtype])
+            self.engine = engines.build(self.cfg.rollout.engine, self.model, self.tokenizer,
+                                        dtype=None if dtype == "model" else DTYPES[dtype],
+                                        seed=self.cfg.seed)
         else:
             self.engine.sync_weights(self.model)
-        return self.engine.model
+        return self.engine
+
+    def close(self) -> None:
+        """Release the engine (end of the run)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def eval_engine(self) -> engines.Engine | None:
+        """The engine evaluation samples through, synced: the rollout engine when it has its own
+        kernels (vllm: the fast sampler for greedy and pass@k too); None for hf, whose
+        evaluation stays transformers on the policy in its own dtype."""
+        engine = self.sampler()
+        return engine if engine.module is None else None
 
     def generate(self, examples, seed: int) -> RolloutBatch:
-        cfg = self.cfg
-        return generate_group(self.sampler(), self.tokenizer, examples, self.sampling,
+        cfg, engine = self.cfg, self.sampler()
+        with_logprobs = (cfg.train.old_logprobs == "rollout" or cfg.train.log_rollout_logprobs
+                         or cfg.train.rollout_correction.mode != "none" or engine.always_logprobs)
+        if engine.module is None:   # an engine with its own kernels (vllm): token ids in and out
+            return engines.generate_batch(engine, self.tokenizer, examples, self.sampling,
+                                          group_size=cfg.rollout.group_size, seed=seed,
+                                          with_logprobs=with_logprobs)
+        return generate_group(engine.module, self.tokenizer, examples, self.sampling,
                               group_size=cfg.rollout.group_size, seed=seed,
-                              with_logprobs=cfg.train.old_logprobs == "rollout"
-                              or cfg.train.log_rollout_logprobs
-                              or cfg.train.rollout_correction.mode != "none",
+                              with_logprobs=with_logprobs,
                               capture_routing=cfg.moe.routing_replay == "rollout", shards=self.shards)
 
     def collect(self, step: int) -> tuple[RolloutBatch | None, torch.Tensor, dict]:

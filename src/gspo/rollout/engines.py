@@ -33,12 +33,15 @@ except ImportError:  # transformers 4: the in-memory layout is the checkpoint's
     def revert_weight_conversion(model, state_dict):
         return state_dict
 
+from gspo.config import ENGINES
 from gspo.errors import UserError
 from gspo.models.presets import save_model
-from gspo.rollout.generate import Samples, SamplingParams, left_pad, response_mask_from_ids, sample
+from gspo.rollout.generate import (RolloutBatch, Samples, SamplingParams, left_pad, response_mask_from_ids,
+                                   rollout_batch, sample)
+from gspo.tasks import Example
 
 __all__ = ["Engine", "EngineUnavailable", "HFEngine", "VLLMEngine", "available", "build", "check",
-           "policy_weights"]
+           "generate_batch", "policy_weights"]
 
 
 class EngineUnavailable(UserError):
@@ -48,6 +51,13 @@ class EngineUnavailable(UserError):
 class Engine(ABC):
     """A sampler built from a policy: ``generate`` and ``sync_weights``; ``sleep`` / ``wake_up``
     free and restore its memory between generation and training (no-ops where nothing is held)."""
+
+    module: torch.nn.Module | None = None
+    """The transformers model that samples when it is one (hf: routing capture and FSDP's gathered
+    weights work on it); None for an engine with its own kernels (vllm)."""
+    always_logprobs: bool = False
+    """The sampler's log-probs come with its tokens at no cost, so a rollout always asks for
+    them (vllm: mismatch/* every step); hf computes them only when asked."""
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], group_size: int, params: SamplingParams,
@@ -63,6 +73,9 @@ class Engine(ABC):
 
     def wake_up(self) -> None:
         """Undo ``sleep``."""
+
+    def close(self) -> None:
+        """Release the engine for good (vllm: its engine core and process group); default: nothing."""
 
 
 _REGISTRY: dict[str, type[Engine]] = {}
@@ -106,6 +119,17 @@ def build(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     return _REGISTRY[name](model, tokenizer, **options)
 
 
+def generate_batch(engine: Engine, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
+                   params: SamplingParams, *, group_size: int = 1, with_logprobs: bool = False,
+                   seed: int | None = None) -> RolloutBatch:
+    """``rollout.generate`` through ``engine``: the prompts' token ids (tokenised once, as the
+    trainer scores them) to the engine, its samples to a ``RolloutBatch`` (N = P·G rows)."""
+    prompt_ids = [tokenizer(ex.prompt)["input_ids"] for ex in examples]
+    samples = engine.generate(prompt_ids, group_size, params, seed=seed, with_logprobs=with_logprobs)
+    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)                    # [P, Lp]
+    return rollout_batch(tokenizer, ids, mask, samples, examples, group_size)
+
+
 def policy_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight as a checkpoint stores it (transformers' in-memory layouts
     reverted, e.g. a MoE's fused experts back to one tensor per expert, as ``save_pretrained``
@@ -122,16 +146,21 @@ def policy_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]
 
 @register("hf")
 class HFEngine(Engine):
-    """transformers ``generate`` (``rollout.sample``) on the policy, or on a copy in ``dtype``."""
+    """transformers ``generate`` (``rollout.sample``) on the policy, or on a copy in ``dtype``.
+    ``seed`` is accepted for a common constructor and unused: each ``generate`` is seeded."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-                 dtype: torch.dtype | None = None, share_prompts: bool = True):
+                 dtype: torch.dtype | None = None, share_prompts: bool = True, seed: int = 0):
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.share_prompts = share_prompts
         own = dtype is not None and dtype != next(model.parameters()).dtype
         self.model = copy.deepcopy(model).to(dtype).requires_grad_(False) if own else model
         self.owns_copy = own
         """True when ``model`` is a copy (another dtype) that ``sync_weights`` must refresh."""
+
+    @property
+    def module(self) -> PreTrainedModel:
+        return self.model
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         if self.owns_copy:
@@ -169,6 +198,7 @@ class VLLMEngine(Engine):
                      "tests/test_vllm.py keeps watching), so RL steps would sample from old experts",
     }
     """config.model_type -> why this engine cannot serve it (each one shown by a test)."""
+    always_logprobs = True
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  dtype: torch.dtype | None = None, seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -200,6 +230,12 @@ class VLLMEngine(Engine):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
         self.llm.reset_prefix_cache()        # cached prompt KV was computed with the old weights
 
+    def close(self) -> None:
+        # before the process exits: vLLM's own clean-up at exit would find the (one-process)
+        # process group it created already destroyed by the CLI, and print a traceback
+        self.llm.llm_engine.engine_core.shutdown()
+        self._dir.cleanup()
+
     def sleep(self) -> None:
         if self.can_sleep and not self.sleeping:
             self.llm.sleep(level=1)
@@ -208,7 +244,6 @@ class VLLMEngine(Engine):
     def wake_up(self) -> None:
         if self.sleeping:
             self.llm.wake_up()
-            self.can_sleep = on_gpu and enable_sleep_mode
         self.sleeping = False
 
     def sampling_params(self, params: SamplingParams, group_size: int, seed: int | None,
@@ -238,3 +273,7 @@ class VLLMEngine(Engine):
         mask, truncated = response_mask_from_ids(ids, self.eos_id)                    # [N, T]
         ids = torch.where(mask.bool(), ids, self.pad_id)
         return Samples(ids, mask, truncated, logp * mask if with_logprobs else None)
+
+
+if set(ENGINES) != set(_REGISTRY):   # checked at import: config validates rollout.engine by name
+    raise ImportError(f"gspo.config.ENGINES {sorted(ENGINES)} != the registered engines {available()}")

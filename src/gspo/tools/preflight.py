@@ -30,6 +30,7 @@ from gspo.models.presets import (ADAPTER_CONFIG, adapter_base, build_char_tokeni
                                  preset_config)
 from gspo.observe.trackers import check_available
 from gspo.rewards.isolation import IsolatedSource
+from gspo.rollout import engines
 from gspo.rollout.data import FILE_TASKS
 from gspo.training.checkpoint import list_checkpoints
 from gspo.training.lora import check_targets
@@ -56,6 +57,7 @@ def check_train(cfg, resume: bool = False) -> None:
     """Everything about ``cfg`` that can be wrong before a model is built; raises UserError."""
     check_files(cfg)
     check_model(cfg)
+    check_engine(cfg)
     check_trackers(cfg)
     check_run_dir(cfg, resume)
     check_distributed(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -135,6 +137,15 @@ def check_model(cfg) -> None:
             raise UserError(f"{key}: needs a Mixture-of-Experts model; model type "
                             f"{config.model_type!r} is not one (supported: "
                             f"{', '.join(sorted(ROUTER_CLASSES))}; e.g. model.preset=tiny-moe)")
+
+
+def check_engine(cfg) -> None:
+    """rollout.engine is installed and can serve the model's architecture (the combinations it
+    cannot serve are refused by the config itself)."""
+    try:
+        engines.check(cfg.rollout.engine, _model_config(cfg).model_type)
+    except engines.EngineUnavailable as err:
+        raise UserError(f"rollout.engine: {err}") from None
 
 
 def check_trackers(cfg) -> None:

@@ -175,7 +175,8 @@ class Trainer:
             return self.dist.on_main(lambda: evaluate(
                 self.model, self.tokenizer, self.task, self.test_set,
                 max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
-                temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed))
+                temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
+                engine=self.collector.eval_engine()))   # vllm: the same engine; hf: the policy
 
     def wall(self) -> float:
         """Seconds of training so far, over all resumed sessions."""
@@ -196,6 +197,8 @@ class Trainer:
         finally:
             if getattr(self, "rollouts", None) is not None:  # (set-up may have failed before it)
                 self.rollouts.close()                        # async: the worker stopped and joined
+            if getattr(self, "collector", None) is not None:
+                self.collector.close()                       # vllm: its engine core released
             if self.run_lock is not None:   # another process may write this run now
                 self.run_lock.release()
 

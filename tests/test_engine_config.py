@@ -1,0 +1,88 @@
+"""rollout.engine in the config and the preflight (no vLLM needed; runs in the shared venv):
+the name is checked against the engine registry, what vLLM cannot serve is one line and exit 2
+before any model is built, and train.rollout_correction.mode resolves per engine."""
+
+import importlib.util
+
+import pytest
+
+from gspo.cli import main
+from gspo.config import DEFAULT_CORRECTION, ENGINES, ConfigError, load_config
+from gspo.rollout import engines
+from gspo.training import cold_start, trainer
+
+VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(autouse=True)
+def _no_model(monkeypatch):
+    """Any model built during these tests fails them."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built before the input was checked")
+    for module, names in ((cold_start, ("build_model", "load_model")),
+                          (trainer, ("load_model", "initial_policy"))):
+        for name in names:
+            monkeypatch.setattr(module, name, refuse)
+
+
+def _fails(capsys, tmp_path, *argv: str) -> str:
+    """Exit 2, one line on stderr, no traceback, no run folder."""
+    run = tmp_path / "run"
+    code = main(["train", "configs/default.yaml", f"run.dir={run}",
+                 f"sft.cache_dir={tmp_path / 'cache'}", *argv])
+    out = capsys.readouterr()
+    assert code == 2, out.err
+    assert out.err.startswith("gspo: error: ") and out.err.count("\n") == 1, out.err
+    assert "Traceback" not in out.err and not run.exists()
+    return out.err
+
+
+def test_config_names_are_the_registry():
+    assert sorted(ENGINES) == engines.available() == sorted(DEFAULT_CORRECTION)
+
+
+@pytest.mark.parametrize("overrides, mode", [
+    ([], "none"),
+    (["rollout.engine=vllm"], "tis"),
+    (["rollout.engine=vllm", "train.rollout_correction.mode=icepop"], "icepop"),
+    (["rollout.engine=vllm", "train.rollout_correction.mode=none"], "none"),
+    (["rollout.engine=vllm", "train.old_logprobs=rollout"], "none"),   # π_old is the sampler's
+    (["train.rollout_correction.mode=seq_tis"], "seq_tis"),
+])
+def test_rollout_correction_resolves_per_engine(overrides, mode):
+    cfg = load_config("configs/default.yaml", overrides)
+    assert cfg.train.rollout_correction.mode == mode
+    if mode == "tis":
+        assert cfg.train.rollout_correction.params() == {"cap": 2.0}
+    dumped = cfg.model_dump(mode="json")            # config.yaml holds the value used
+    assert dumped["train"]["rollout_correction"]["mode"] == mode
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["rollout.engine=vlm"], "rollout.engine: unknown engine 'vlm'; did you mean 'vllm'?"),
+    (["rollout.engine=vllm", "model.preset=tiny-moe", "moe.routing_replay=rollout"],
+     "rollout.engine=vllm cannot serve moe.routing_replay=rollout"),
+    (["rollout.engine=vllm", "model.lora={r: 4}"], "rollout.engine=vllm cannot serve model.lora"),
+    (["rollout.engine=vllm", "rollout.async=true"], "rollout.engine=vllm cannot serve rollout.async"),
+    (["rollout.engine=vllm", "audit.every=5"],
+     "train.rollout_correction.mode=tis changes the loss mask"),
+])
+def test_combinations_vllm_cannot_serve(capsys, tmp_path, overrides, expected):
+    assert expected in _fails(capsys, tmp_path, *overrides)
+
+
+def test_torchrun_world_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rollout.engine=vllm cannot serve torchrun with 2 processes"):
+        load_config("configs/default.yaml", ["rollout.engine=vllm"])
+
+
+def test_a_moe_model_is_refused_before_it_is_built(capsys, tmp_path):
+    err = _fails(capsys, tmp_path, "rollout.engine=vllm", "model.preset=tiny-moe")
+    assert "rollout.engine: engine 'vllm' cannot serve a qwen3_moe model" in err
+
+
+@pytest.mark.skipif(VLLM, reason="vLLM is installed here")
+def test_vllm_not_installed_is_one_line(capsys, tmp_path):
+    err = _fails(capsys, tmp_path, "rollout.engine=vllm")
+    assert "rollout.engine: engine 'vllm' needs the 'vllm' package, which is not installed" in err
