@@ -33,6 +33,19 @@ def _restore_library_settings(monkeypatch):
         transformers.utils.logging.enable_progress_bar()
 
 
+@pytest.fixture
+def no_model_built(monkeypatch):
+    """Any model built while the test runs fails it: input checks must come first."""
+    from gspo.training import cold_start, trainer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built before the input was checked")
+    for module, names in ((cold_start, ("build_model", "load_model")),
+                          (trainer, ("load_model", "initial_policy"))):
+        for name in names:
+            monkeypatch.setattr(module, name, refuse)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """(model, tokenizer) of the tiny-dense preset, seed 0, eval mode. Do not mutate."""

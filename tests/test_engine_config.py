@@ -9,20 +9,9 @@ import pytest
 from gspo.cli import main
 from gspo.config import DEFAULT_CORRECTION, ENGINES, ConfigError, load_config
 from gspo.rollout import engines
-from gspo.training import cold_start, trainer
 
 VLLM = importlib.util.find_spec("vllm") is not None
-
-
-@pytest.fixture(autouse=True)
-def _no_model(monkeypatch):
-    """Any model built during these tests fails them."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was built before the input was checked")
-    for module, names in ((cold_start, ("build_model", "load_model")),
-                          (trainer, ("load_model", "initial_policy"))):
-        for name in names:
-            monkeypatch.setattr(module, name, refuse)
+pytestmark = pytest.mark.usefixtures("no_model_built")  # every check here runs before a model
 
 
 def _fails(capsys, tmp_path, *argv: str) -> str:

@@ -11,18 +11,7 @@ from gspo.tools import preflight
 from gspo.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _no_model(monkeypatch):
-    """Any model built during these tests fails them (logging is restored by conftest)."""
-    from gspo.training import cold_start, trainer
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was built before the input was checked")
-    for module, names in ((cold_start, ("build_model", "load_model")),
-                          (trainer, ("load_model", "initial_policy"))):
-        for name in names:
-            monkeypatch.setattr(module, name, refuse)
-    yield
+pytestmark = pytest.mark.usefixtures("no_model_built")  # every check here runs before a model
 
 
 def _fails(capsys, tmp_path, *argv: str, command: str = "train") -> str:
