@@ -52,14 +52,10 @@ def register(name: str, values: dict[str, Any], *, paper: str, missing: str = ""
     return _REGISTRY.add(name, Preset(name, MappingProxyType(dict(values)), paper, missing))
 
 
-def available() -> list[str]:
-    """Sorted names of the presets."""
-    return _REGISTRY.names()
-
-
-def get(name: str) -> Preset:
-    """The preset ``name``; ValueError listing the valid names if unknown."""
-    return _REGISTRY.get(name)
+available = _REGISTRY.names
+"""Sorted names of the presets."""
+get = _REGISTRY.get
+"""The preset ``name``; ValueError listing the valid names if unknown."""
 
 
 def expand(tree: Any, *, replace: bool = False) -> Any:

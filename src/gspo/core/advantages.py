@@ -70,14 +70,10 @@ def default_scale(name: str) -> str:
     return _DEFAULT_SCALE[name]
 
 
-def available() -> list[str]:
-    """Sorted names of the registered advantage estimators."""
-    return _REGISTRY.names()
-
-
-def get(name: str) -> Estimator:
-    """The estimator `name`; ValueError listing the valid names if unknown."""
-    return _REGISTRY.get(name)
+available = _REGISTRY.names
+"""Sorted names of the registered advantage estimators."""
+get = _REGISTRY.get
+"""The estimator `name`; ValueError listing the valid names if unknown."""
 
 
 @register("group", scale="group", centred="r_i − mean_group(r)",

@@ -89,14 +89,10 @@ def register(name: str, *, per_token: bool, **defaults: float):
     return decorate
 
 
-def available() -> list[str]:
-    """Sorted names of the registered corrections ('none' among them)."""
-    return _REGISTRY.names()
-
-
-def spec(name: str) -> CorrectionSpec:
-    """The `CorrectionSpec` of `name`; ValueError listing the valid names if unknown."""
-    return _REGISTRY.get(name)
+available = _REGISTRY.names
+"""Sorted names of the registered corrections ('none' among them)."""
+spec = _REGISTRY.get
+"""The `CorrectionSpec` of `name`; ValueError listing the valid names if unknown."""
 
 
 # ----------------------------------------------------------------------------- shared pieces

@@ -114,14 +114,10 @@ def register(name: str, *, sequence_level: bool, paper: str, zero_at_zero_advant
     return decorate
 
 
-def available() -> list[str]:
-    """Sorted names of the registered objectives."""
-    return _REGISTRY.names()
-
-
-def spec(name: str) -> ObjectiveSpec:
-    """The `ObjectiveSpec` of `name`; ValueError listing the valid names if unknown."""
-    return _REGISTRY.get(name)
+available = _REGISTRY.names
+"""Sorted names of the registered objectives."""
+spec = _REGISTRY.get
+"""The `ObjectiveSpec` of `name`; ValueError listing the valid names if unknown."""
 
 
 def resolve(name: str, **given: object) -> dict[str, object]:

@@ -81,9 +81,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def register_preset(name: str):
-    """Decorator: ``fn(vocab_size, **overrides) -> PretrainedConfig`` is the preset ``name``."""
-    return PRESETS.register(name)
+register_preset = PRESETS.register
+"""Decorator: ``@register_preset(name)`` on ``fn(vocab_size, **overrides) -> PretrainedConfig``."""
 
 
 def _common(vocab_size: int) -> dict:
@@ -110,9 +109,8 @@ def tiny_moe(vocab_size: int, **overrides) -> PretrainedConfig:
         **overrides})
 
 
-def available_presets() -> list[str]:
-    """Sorted names of the model presets."""
-    return PRESETS.names()
+available_presets = PRESETS.names
+"""Sorted names of the model presets."""
 
 
 def preset_config(name: str, vocab_size: int, overrides: dict | None = None) -> PretrainedConfig:

@@ -94,13 +94,10 @@ def register(name: str, *, metric: str | None = None, below: bool = False,
     return deco
 
 
-def available() -> list[str]:
-    """Sorted names of the rule kinds."""
-    return _KINDS.names()
-
-
-def kind(name: str) -> RuleKind:
-    return _KINDS.get(name)
+available = _KINDS.names
+"""Sorted names of the rule kinds."""
+kind = _KINDS.get
+"""The `RuleKind` of `name`; ValueError listing the valid names if unknown."""
 
 
 def number(value) -> float | None:

@@ -50,14 +50,10 @@ class Tracker:
 TRACKERS: Registry[type[Tracker]] = Registry("tracker")
 
 
-def register(name: str):
-    """Class decorator: the tracker ``name`` of ``run.trackers``."""
-    return TRACKERS.register(name)
-
-
-def available() -> list[str]:
-    """Sorted names of the trackers (installed or not)."""
-    return TRACKERS.names()
+register = TRACKERS.register
+"""Class decorator: ``@register(name)`` makes the tracker ``name`` of ``run.trackers``."""
+available = TRACKERS.names
+"""Sorted names of the trackers (installed or not)."""
 
 
 def check_available(names: list[str]) -> None:

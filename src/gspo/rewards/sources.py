@@ -194,14 +194,11 @@ class CombinedReward:
 _SOURCE_TYPES: Registry[Callable[..., RewardSource]] = Registry("reward type", valid="valid types")
 
 
-def register_source(type_name: str):
-    """Decorator: `builder(task, **spec_keys) -> RewardSource` under `{"type": type_name}`."""
-    return _SOURCE_TYPES.register(type_name)
-
-
-def source_types() -> list[str]:
-    """Registered reward source types, sorted."""
-    return _SOURCE_TYPES.names()
+register_source = _SOURCE_TYPES.register
+"""Decorator: `@register_source(type_name)` on `builder(task, **spec_keys) -> RewardSource`, for
+`{"type": type_name}`."""
+source_types = _SOURCE_TYPES.names
+"""Registered reward source types, sorted."""
 
 
 @register_source("verifier")

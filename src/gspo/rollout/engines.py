@@ -95,9 +95,8 @@ def register(name: str, *, requires: str | None = None):
     return decorate
 
 
-def available() -> list[str]:
-    """Sorted names of the registered engines (installed or not)."""
-    return _REGISTRY.names()
+available = _REGISTRY.names
+"""Sorted names of the registered engines (installed or not)."""
 
 
 def check(name: str, model_type: str | None = None) -> None:
