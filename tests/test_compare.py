@@ -130,7 +130,7 @@ def test_tune_score_is_mean_of_last_evaluations_and_ties_go_first(tmp_path):
     assert compare.choose(scores) == 1
 
 
-@pytest.mark.parametrize("suite", ["dense", "moe", "followups", "length"])
+@pytest.mark.parametrize("suite", ["dense", "moe", "followups", "length", "offpolicy"])
 def test_shipped_suites_resolve(suite, tmp_path):
     path = REPO / "configs" / "compare" / f"{suite}.yaml"
     s, _ = compare.expand(compare.load_suite(path))
