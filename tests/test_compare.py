@@ -70,6 +70,16 @@ def test_run_stats_and_aggregate():
     assert agg["collapses"] == 1 and agg["seeds"] == 2
 
 
+def test_run_stats_means_response_length_and_routing_change_over_steps():
+    rows = _rows({0: 0.2, 2: 0.4})
+    rows[1]["moe/routing_change_rate"], rows[2]["moe/routing_change_rate"] = 0.1, 0.3
+    rows[2]["response/length_mean"] = 8.0                   # steps 1, 2: lengths 4 and 8
+    summary = {"seed": 0, "eval_after": {"accuracy": 0.4}, "wall_s": 1.0, "rollout_size": 8}
+    r = compare_stats.run_stats(rows, summary, 0.5, 0.05)
+    assert r["routing_change_rate"] == pytest.approx(0.2) and r["response_length"] == pytest.approx(6.0)
+    assert compare_stats.run_stats(_rows({0: 0.2}), summary, 0.5, 0.05)["routing_change_rate"] is None
+
+
 # --------------------------------------------------------------------------------- claims
 def _variant(finals: list[float], clip: float, collapses: int = 0) -> dict:
     runs = [{"cold_accuracy": 0.1, "final_accuracy": f, "best_accuracy": f, "steps_to_threshold": None,
@@ -130,7 +140,7 @@ def test_tune_score_is_mean_of_last_evaluations_and_ties_go_first(tmp_path):
     assert compare.choose(scores) == 1
 
 
-@pytest.mark.parametrize("suite", ["dense", "moe", "followups", "length", "offpolicy"])
+@pytest.mark.parametrize("suite", ["dense", "moe", "followups", "length", "offpolicy", "moe-long"])
 def test_shipped_suites_resolve(suite, tmp_path):
     path = REPO / "configs" / "compare" / f"{suite}.yaml"
     s, _ = compare.expand(compare.load_suite(path))

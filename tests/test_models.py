@@ -70,7 +70,7 @@ def test_char_tokenizer_batch_pads_left():
 # ------------------------------------------------------------------------------- presets
 
 def test_available_presets():
-    assert available_presets() == ["tiny-dense", "tiny-moe"]
+    assert available_presets() == ["deep-moe", "tiny-dense", "tiny-moe"]
 
 
 def test_tiny_dense_parameter_count(tiny):
@@ -95,6 +95,16 @@ def test_tiny_moe_parameter_count():
     assert count_parameters(model) == 1_394_560
     assert model.config.model_type == "qwen3_moe"
     assert (model.config.num_experts, model.config.num_experts_per_tok) == (8, 2)
+
+
+def test_deep_moe_parameter_count():
+    model, _ = build_model("deep-moe", 0)
+    # 8 layers; the MLP is a router 128*16 = 2,048 + 16 experts * 3 * 128*48 = 294,912
+    #   per layer 49,152 + 320 + 2,048 + 294,912 = 346,432
+    #   total 12,800 + 128 + 8 * 346,432 = 2,784,384
+    assert count_parameters(model) == 2_784_384
+    assert (model.config.num_hidden_layers, model.config.num_experts,
+            model.config.num_experts_per_tok) == (8, 16, 2)
 
 
 def test_build_is_deterministic_in_seed_and_leaves_global_rng(tiny):

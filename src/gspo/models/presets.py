@@ -109,6 +109,14 @@ def tiny_moe(vocab_size: int, **overrides) -> PretrainedConfig:
         **overrides})
 
 
+@register_preset("deep-moe")
+def deep_moe(vocab_size: int, **overrides) -> PretrainedConfig:
+    """Qwen3-MoE, 8 layers x 128 wide, 16 experts (48 wide), top-2 routing, every layer MoE: twice
+    tiny-moe's depth and experts, for routing that moves more per step (configs/compare/moe-long.yaml)."""
+    return tiny_moe(vocab_size, **{"num_hidden_layers": 8, "num_experts": 16,
+                                   "moe_intermediate_size": 48, **overrides})
+
+
 available_presets = PRESETS.names
 """Sorted names of the model presets."""
 

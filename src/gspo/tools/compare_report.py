@@ -104,6 +104,17 @@ def table(results: dict) -> list[str]:
     return lines
 
 
+def routing_lines(results: dict) -> list[str]:
+    """MoE runs: each variant's mean routing change rate per RL step (share of (token, layer)
+    pairs whose top-k expert set changed between the policy that sampled and the updated one)."""
+    rates = {n: v["summary"].get("routing_change_rate") for n, v in results["variants"].items()}
+    rates = {n: r for n, r in rates.items() if r and r["mean"] is not None}
+    if not rates:
+        return []
+    return ["Routing change rate per RL step (MoE; the paper reports about 10% for a 48-layer "
+            "model): " + ", ".join(f"{n} {_cell(r, '.4f')}" for n, r in rates.items()) + ".", ""]
+
+
 def tuning_section(tuning: dict) -> list[str]:
     """The grid, each candidate's validation score and the choice, as report lines."""
     lines = ["## Hyper-parameters", ""]
@@ -271,7 +282,7 @@ def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> P
               + (" (the last ones chosen on the validation split)" if v.get("tuned_overrides") else "")
               for n, v in results["variants"].items()]
     lines += ["", code_line(results), "", *tuning_section(results.get("tuning") or {}), "",
-              "## Results", "", *table(results), "", *axis_lines,
+              "## Results", "", *table(results), "", *routing_lines(results), *axis_lines,
               "Mean ± sample std over seeds. *Final*: last held-out evaluation; *best*: the highest "
               "one (cold start included). *Steps to* the threshold: first evaluated RL step at or "
               "above it, over the seeds that reached it. *Clip frac tokens*: mean over RL steps. "

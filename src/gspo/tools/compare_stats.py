@@ -38,6 +38,8 @@ def run_stats(rows: list[dict], summary: dict, threshold: float, min_gain: float
     steps = [r for r in rows if isinstance(r.get("time/step_s"), (int, float))]
     clip = [r["policy/clip_frac_tokens"] for r in rows
             if isinstance(r.get("policy/clip_frac_tokens"), (int, float))]
+    routing = [r["moe/routing_change_rate"] for r in rows
+               if isinstance(r.get("moe/routing_change_rate"), (int, float))]
     lengths = [r["response/length_mean"] for r in steps
                if isinstance(r.get("response/length_mean"), (int, float))]
     train_s = sum(r["time/step_s"] for r in steps)
@@ -50,6 +52,7 @@ def run_stats(rows: list[dict], summary: dict, threshold: float, min_gain: float
         "best_step": best_step, "steps_to_threshold": steps_to(series, threshold),
         "clip_frac_tokens": statistics.fmean(clip) if clip else None,
         "response_length": statistics.fmean(lengths) if lengths else None,
+        "routing_change_rate": statistics.fmean(routing) if routing else None,
         "wall_s": summary["wall_s"], "train_s": round(train_s, 2),
         "tokens_per_s": round(tokens / train_s, 1) if n and train_s > 0 else None,
         "collapsed": collapsed(series, min_gain),
@@ -66,7 +69,7 @@ def mean_std(values: list) -> dict:
 
 
 AGGREGATED = ["cold_accuracy", "final_accuracy", "best_accuracy", "steps_to_threshold",
-              "clip_frac_tokens", "response_length", "wall_s", "train_s", "tokens_per_s"]
+              "clip_frac_tokens", "response_length", "routing_change_rate", "wall_s", "train_s", "tokens_per_s"]
 
 
 def aggregate(per_seed: list[dict]) -> dict:
