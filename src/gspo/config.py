@@ -259,6 +259,8 @@ class RolloutConfig(Section):
     """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
     engine: str = "hf"
     """Generation engine (gspo.rollout.engines, docs/engines.md): hf (transformers generate on the policy, or on its rollout.dtype copy) | vllm (a vLLM engine in this process built once from the policy after the cold start, weights synced in place before every step's generation; optional package; one process, no LoRA, no moe.routing_replay=rollout, no rollout.async). With vllm the sampler's log-probs are always returned (mismatch/* every step) and train.rollout_correction defaults to tis."""
+    engine_sleep: bool = True
+    """Free the engine's memory for the training update: after a step's generation the engine sleeps (vllm on CUDA: vLLM's sleep mode, level 1: its weights offloaded to host memory, its KV cache dropped), and it wakes before the next generation, before the weight sync. On by default; a no-op where the engine holds nothing to free (hf) or has no sleep mode (vllm on a CPU). false: the engine keeps its memory (vllm is then built without sleep mode)."""
     async_: bool = Field(False, alias="async")
     """rollout.async: generate, score and take π_old of the next batches in a worker thread with its own copy of the policy while the trainer trains on this one (gspo.async_rollout, docs/performance.md). The batch of step k is sampled by the weights after step k - max_staleness, always (so runs are reproducible and resume exactly); one torch thread per side on CPU."""
     max_staleness: int = Field(1, ge=0)

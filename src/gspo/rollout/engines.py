@@ -147,10 +147,12 @@ def policy_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]
 @register("hf")
 class HFEngine(Engine):
     """transformers ``generate`` (``rollout.sample``) on the policy, or on a copy in ``dtype``.
-    ``seed`` is accepted for a common constructor and unused: each ``generate`` is seeded."""
+    ``seed`` and ``enable_sleep_mode`` are accepted for a common constructor and unused: each
+    ``generate`` is seeded, and the policy's memory is the trainer's (nothing to free)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-                 dtype: torch.dtype | None = None, share_prompts: bool = True, seed: int = 0):
+                 dtype: torch.dtype | None = None, share_prompts: bool = True, seed: int = 0,
+                 enable_sleep_mode: bool = False):
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.share_prompts = share_prompts
         own = dtype is not None and dtype != next(model.parameters()).dtype
