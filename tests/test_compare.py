@@ -130,10 +130,10 @@ def test_tune_score_is_mean_of_last_evaluations_and_ties_go_first(tmp_path):
     assert compare.choose(scores) == 1
 
 
-@pytest.mark.parametrize("suite", ["dense", "moe", "followups"])
+@pytest.mark.parametrize("suite", ["dense", "moe", "followups", "length", "offpolicy"])
 def test_shipped_suites_resolve(suite, tmp_path):
     path = REPO / "configs" / "compare" / f"{suite}.yaml"
-    s = compare.load_suite(path)
+    s, _ = compare.expand(compare.load_suite(path))
     for v in s.variants:
         for quick in (False, True):
             compare.resolve(s, path, v, 0, tmp_path, quick=quick)

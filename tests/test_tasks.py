@@ -38,7 +38,7 @@ def test_build_bad_kwarg_lists_valid_ones():
 
 
 def test_register_new_task_and_duplicate(monkeypatch):
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.setattr(base, "_REGISTRY", base._REGISTRY.copy())
 
     @tasks.register("echo")
     class Echo:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from gspo.registry import Registry
+
 __all__ = ["Preset", "available", "expand", "get", "register"]
 
 
@@ -40,28 +42,20 @@ class Preset:
     """What of the paper's recipe this library does not have (empty: nothing)."""
 
 
-_REGISTRY: dict[str, Preset] = {}
+_REGISTRY: Registry[Preset] = Registry("objective preset")
 
 
 def register(name: str, values: dict[str, Any], *, paper: str, missing: str = "") -> Preset:
-    """Add preset ``name``; its keys must be dotted section.field paths."""
+    """Add preset ``name`` (a name given twice is refused); its keys must be dotted section.field paths."""
     if any("." not in key for key in values):
         raise ValueError(f"preset {name}: keys must be dotted section.field paths; got {sorted(values)}")
-    preset = Preset(name, MappingProxyType(dict(values)), paper, missing)
-    _REGISTRY[name] = preset
-    return preset
+    return _REGISTRY.add(name, Preset(name, MappingProxyType(dict(values)), paper, missing))
 
 
-def available() -> list[str]:
-    """Sorted names of the presets."""
-    return sorted(_REGISTRY)
-
-
-def get(name: str) -> Preset:
-    """The preset ``name``; ValueError listing the valid names if unknown."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown objective preset {name!r}; valid: {', '.join(available())}")
-    return _REGISTRY[name]
+available = _REGISTRY.names
+"""Sorted names of the presets."""
+get = _REGISTRY.get
+"""The preset ``name``; ValueError listing the valid names if unknown."""
 
 
 def expand(tree: Any, *, replace: bool = False) -> Any:
@@ -77,7 +71,7 @@ def expand(tree: Any, *, replace: bool = False) -> Any:
     if name not in _REGISTRY:
         return tree
     out = _copy(tree)
-    for key, value in _REGISTRY[name].values.items():
+    for key, value in _REGISTRY.get(name).values.items():
         *sections, field = key.split(".")
         node = out
         for part in sections:

@@ -6,5 +6,6 @@ aggregations and defaults from the papers), group advantages with dropped sample
 the update plan of which rows need a forward (``plan``), and the critic with its clipped value loss
 (``value``). Numbers in, numbers out: no config, no I/O, no ``.item()`` inside a loss.
 
-It never imports transformers, a config, or any other gspo layer: torch only (import-linter).
+It never imports transformers, a config, or any other gspo layer: torch only, and the name table
+``gspo.registry`` under every layer (import-linter).
 """

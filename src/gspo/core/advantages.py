@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from gspo.registry import Registry
+
 __all__ = ["GAE_FORMULA", "SCALES", "available", "best_worst_pairs", "default_scale", "formula",
            "gae", "get", "group_advantages", "register", "rloo_advantages", "whiten"]
 
@@ -33,7 +35,7 @@ GAE_FORMULA = ("δ_t = r_t + γ V_t' − V_t; Â_t = δ_t + γλ Â_t'   (GAE, a
 """`gae` in one line."""
 
 Estimator = Callable[..., Tensor]
-_REGISTRY: dict[str, Estimator] = {}
+_REGISTRY: Registry[Estimator] = Registry("advantage estimator")
 _DEFAULT_SCALE: dict[str, str] = {}
 _CENTRED: dict[str, tuple[str, str]] = {}
 
@@ -45,7 +47,7 @@ def register(name: str, *, scale: str, centred: str | None = None, paper: str = 
     centred reward in one line (`formula`; left out: the docstring's first line) and citation."""
 
     def decorate(fn: Estimator) -> Estimator:
-        _REGISTRY[name] = fn
+        _REGISTRY.add(name, fn)
         _DEFAULT_SCALE[name] = scale
         _CENTRED[name] = (centred or (fn.__doc__ or name).strip().splitlines()[0], paper)
         return fn
@@ -68,16 +70,10 @@ def default_scale(name: str) -> str:
     return _DEFAULT_SCALE[name]
 
 
-def available() -> list[str]:
-    """Sorted names of the registered advantage estimators."""
-    return sorted(_REGISTRY)
-
-
-def get(name: str) -> Estimator:
-    """The estimator `name`; ValueError listing the valid names if unknown."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(available())}")
-    return _REGISTRY[name]
+available = _REGISTRY.names
+"""Sorted names of the registered advantage estimators."""
+get = _REGISTRY.get
+"""The estimator `name`; ValueError listing the valid names if unknown."""
 
 
 @register("group", scale="group", centred="r_i − mean_group(r)",

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from gspo.core.objectives import LOG_RATIO_LIMIT, kl_k3, masked_mean
+from gspo.registry import Registry
 
 __all__ = ["Correction", "CorrectionSpec", "available", "register", "spec", "weighted_advantages"]
 
@@ -66,7 +67,7 @@ class CorrectionSpec:
     ratio per response takes its mean over the response, see `weighted_advantages`)."""
 
 
-_REGISTRY: dict[str, CorrectionSpec] = {}
+_REGISTRY: Registry[CorrectionSpec] = Registry("rollout correction")
 
 
 def register(name: str, *, per_token: bool, **defaults: float):
@@ -82,22 +83,16 @@ def register(name: str, *, per_token: bool, **defaults: float):
             return fn(old_logp, rollout_logp, mask, **{**defaults, **given})
 
         with_defaults.__doc__ = fn.__doc__
-        _REGISTRY[name] = CorrectionSpec(name, with_defaults, MappingProxyType(dict(defaults)), per_token)
+        _REGISTRY.add(name, CorrectionSpec(name, with_defaults, MappingProxyType(dict(defaults)), per_token))
         return with_defaults
 
     return decorate
 
 
-def available() -> list[str]:
-    """Sorted names of the registered corrections ('none' among them)."""
-    return sorted(_REGISTRY)
-
-
-def spec(name: str) -> CorrectionSpec:
-    """The `CorrectionSpec` of `name`; ValueError listing the valid names if unknown."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown rollout correction {name!r}; valid: {', '.join(available())}")
-    return _REGISTRY[name]
+available = _REGISTRY.names
+"""Sorted names of the registered corrections ('none' among them)."""
+spec = _REGISTRY.get
+"""The `CorrectionSpec` of `name`; ValueError listing the valid names if unknown."""
 
 
 # ----------------------------------------------------------------------------- shared pieces

@@ -35,6 +35,8 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor
 
+from gspo.registry import Registry
+
 __all__ = [
     "AGGREGATIONS", "LOG_RATIO_LIMIT", "ObjectiveSpec", "aggregate", "available", "dpo_loss", "get",
     "kl_k3", "masked_mean", "register", "resolve", "sequence_logprobs", "spec",
@@ -75,7 +77,7 @@ class ObjectiveSpec:
     provenance.json locks: a change of it is a different objective)."""
 
 
-_REGISTRY: dict[str, ObjectiveSpec] = {}
+_REGISTRY: Registry[ObjectiveSpec] = Registry("objective")
 
 
 def register(name: str, *, sequence_level: bool, paper: str, zero_at_zero_advantage: bool = True,
@@ -104,24 +106,18 @@ def register(name: str, *, sequence_level: bool, paper: str, zero_at_zero_advant
             return fn(logp, old_logp, advantages, mask, **{**defaults, **given})
 
         summary = (inspect.getdoc(fn) or name).splitlines()[0]
-        _REGISTRY[name] = ObjectiveSpec(name, with_defaults, MappingProxyType(dict(defaults)),
-                                        sequence_level, paper, zero_at_zero_advantage,
-                                        equations or summary)
+        _REGISTRY.add(name, ObjectiveSpec(name, with_defaults, MappingProxyType(dict(defaults)),
+                                          sequence_level, paper, zero_at_zero_advantage,
+                                          equations or summary))
         return with_defaults
 
     return decorate
 
 
-def available() -> list[str]:
-    """Sorted names of the registered objectives."""
-    return sorted(_REGISTRY)
-
-
-def spec(name: str) -> ObjectiveSpec:
-    """The `ObjectiveSpec` of `name`; ValueError listing the valid names if unknown."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown objective {name!r}; valid: {', '.join(available())}")
-    return _REGISTRY[name]
+available = _REGISTRY.names
+"""Sorted names of the registered objectives."""
+spec = _REGISTRY.get
+"""The `ObjectiveSpec` of `name`; ValueError listing the valid names if unknown."""
 
 
 def resolve(name: str, **given: object) -> dict[str, object]:

@@ -4,6 +4,7 @@ Tiny transformers presets built from a config (no download), the character token
 saving of local safetensors checkpoints, dtypes and devices (``presets``); Mixture-of-Experts
 routing capture, Routing Replay and routing metrics through forward hooks (``moe``).
 
-It never imports tasks, rewards, a config or anything that trains: only ``gspo.core`` and
-``gspo.errors`` below it. A new preset is a ``@register_preset`` function in ``presets``.
+It never imports tasks, rewards, a config or anything that trains: only ``gspo.core``,
+``gspo.errors`` and ``gspo.registry`` below it. A new preset is a ``@register_preset`` function in
+``presets``.
 """

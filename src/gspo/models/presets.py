@@ -36,6 +36,7 @@ from transformers import (
 )
 
 from gspo.errors import UserError
+from gspo.registry import Registry
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -66,7 +67,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 # Presets: name -> config builder. Sizes are chosen so a step of RL runs in about a second on a
 # 2-core CPU; the MoE preset keeps the dense preset's depth and width so they compare fairly.
 
-PRESETS: dict[str, Callable[..., PretrainedConfig]] = {}
+PRESETS: Registry[Callable[..., PretrainedConfig]] = Registry("model preset", valid="valid presets")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,11 +81,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def register_preset(name: str):
-    def wrap(fn: Callable[[int], PretrainedConfig]):
-        PRESETS[name] = fn
-        return fn
-    return wrap
+register_preset = PRESETS.register
+"""Decorator: ``@register_preset(name)`` on ``fn(vocab_size, **overrides) -> PretrainedConfig``."""
 
 
 def _common(vocab_size: int) -> dict:
@@ -111,19 +109,17 @@ def tiny_moe(vocab_size: int, **overrides) -> PretrainedConfig:
         **overrides})
 
 
-def available_presets() -> list[str]:
-    return sorted(PRESETS)
+available_presets = PRESETS.names
+"""Sorted names of the model presets."""
 
 
 def preset_config(name: str, vocab_size: int, overrides: dict | None = None) -> PretrainedConfig:
     """The transformers config of preset ``name``, with ``overrides`` applied on top."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(available_presets())}")
-    known = PRESETS[name](vocab_size)
+    known = PRESETS.get(name)(vocab_size)
     unknown = sorted(set(overrides or {}) - set(known.to_dict()))
     if unknown:
         raise ValueError(f"model.overrides: the {name} config has no field {', '.join(map(repr, unknown))}")
-    return PRESETS[name](vocab_size, **(overrides or {}))
+    return PRESETS.get(name)(vocab_size, **(overrides or {}))
 
 
 def build_model(preset: str, seed: int, overrides: dict | None = None,

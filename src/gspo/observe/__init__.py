@@ -6,5 +6,5 @@ of a step (``records``), the stability rules over the metrics and the event log 
 ``stability_rules``), and the run report (``report``).
 
 It never imports rewards, rollout, training, tools or the config: whatever it records is handed
-to it. Below it: ``gspo.models``, ``gspo.core``, ``gspo.errors``.
+to it. Below it: ``gspo.models``, ``gspo.core``, ``gspo.errors``, ``gspo.registry``.
 """

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from gspo.registry import Registry
+
 ACTIONS = ("warn", "skip", "rollback", "pause")
 """Actions by increasing severity: a step with several triggers takes the most severe one."""
 EVENTS_FILE = "events.jsonl"
@@ -79,7 +81,7 @@ class RuleKind:
     observe: Callable[[Rule, dict, dict], dict] | None = None
 
 
-_KINDS: dict[str, RuleKind] = {}
+_KINDS: Registry[RuleKind] = Registry("guard rule kind")
 
 
 def register(name: str, *, metric: str | None = None, below: bool = False,
@@ -87,20 +89,15 @@ def register(name: str, *, metric: str | None = None, below: bool = False,
              observe: Callable | None = None):
     """Decorator: register a rule kind's check function."""
     def deco(fn: Check) -> Check:
-        _KINDS[name] = RuleKind(name, fn, metric, below, needs_threshold, options, doc, observe)
+        _KINDS.add(name, RuleKind(name, fn, metric, below, needs_threshold, options, doc, observe))
         return fn
     return deco
 
 
-def available() -> list[str]:
-    """Sorted names of the rule kinds."""
-    return sorted(_KINDS)
-
-
-def kind(name: str) -> RuleKind:
-    if name not in _KINDS:
-        raise ValueError(f"unknown guard rule kind {name!r}; valid: {', '.join(available())}")
-    return _KINDS[name]
+available = _KINDS.names
+"""Sorted names of the rule kinds."""
+kind = _KINDS.get
+"""The `RuleKind` of `name`; ValueError listing the valid names if unknown."""
 
 
 def number(value) -> float | None:

@@ -17,6 +17,8 @@ import re
 import time
 from pathlib import Path
 
+from gspo.registry import Registry
+
 PROJECT = "gspo"
 
 
@@ -45,24 +47,19 @@ class Tracker:
         pass
 
 
-TRACKERS: dict[str, type[Tracker]] = {}
+TRACKERS: Registry[type[Tracker]] = Registry("tracker")
 
 
-def register(name: str):
-    def wrap(cls: type[Tracker]) -> type[Tracker]:
-        TRACKERS[name] = cls
-        return cls
-    return wrap
-
-
-def available() -> list[str]:
-    return sorted(TRACKERS)
+register = TRACKERS.register
+"""Class decorator: ``@register(name)`` makes the tracker ``name`` of ``run.trackers``."""
+available = TRACKERS.names
+"""Sorted names of the trackers (installed or not)."""
 
 
 def check_available(names: list[str]) -> None:
     """ValueError (one line, naming run.trackers and the package) for a tracker not installed."""
     for name in names:
-        tracker = TRACKERS[name]
+        tracker = TRACKERS.get(name)
         if importlib.util.find_spec(tracker.package) is None:
             raise ValueError(f"run.trackers: {name} needs the {tracker.package!r} package, which is "
                              f"not installed (pip install {tracker.pip or tracker.package}, or drop "
@@ -70,7 +67,7 @@ def check_available(names: list[str]) -> None:
 
 
 def open_trackers(names: list[str], run_dir: str | Path, config: dict) -> list[Tracker]:
-    return [TRACKERS[name](Path(run_dir), config) for name in names]
+    return [TRACKERS.get(name)(Path(run_dir), config) for name in names]
 
 
 @register("tensorboard")

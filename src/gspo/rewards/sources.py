@@ -19,6 +19,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from gspo.models.presets import reading_checkpoint
+from gspo.registry import Registry
 from gspo.tasks import Example, Task
 from gspo.tasks.base import call_kwargs, to_reward
 from gspo.rewards.sandbox import Limits, SandboxedFunction
@@ -190,24 +191,14 @@ class CombinedReward:
 # ---------------------------------------------------------------------------------------------
 # config: {"type": ..., "weight": ..., <type-specific keys>} -> source, through a registry
 
-_SOURCE_TYPES: dict[str, Callable[..., RewardSource]] = {}
+_SOURCE_TYPES: Registry[Callable[..., RewardSource]] = Registry("reward type", valid="valid types")
 
 
-def register_source(type_name: str):
-    """Decorator: `builder(task, **spec_keys) -> RewardSource` under `{"type": type_name}`."""
-
-    def deco(builder):
-        if type_name in _SOURCE_TYPES:
-            raise ValueError(f"reward type {type_name!r} is already registered")
-        _SOURCE_TYPES[type_name] = builder
-        return builder
-
-    return deco
-
-
-def source_types() -> list[str]:
-    """Registered reward source types, sorted."""
-    return sorted(_SOURCE_TYPES)
+register_source = _SOURCE_TYPES.register
+"""Decorator: `@register_source(type_name)` on `builder(task, **spec_keys) -> RewardSource`, for
+`{"type": type_name}`."""
+source_types = _SOURCE_TYPES.names
+"""Registered reward source types, sorted."""
 
 
 @register_source("verifier")
@@ -261,8 +252,8 @@ def build_rewards(specs: list[dict], task: Task | None = None, sandbox: Limits |
         spec = {k: v for k, v in spec.items() if v is not None}  # None: unset (a config's blank field)
         kind, weight = spec.pop("type", None), spec.pop("weight", 1.0)
         if kind not in _SOURCE_TYPES:
-            raise ValueError(f"rewards.sources[{i}]: unknown reward type {kind!r}; valid types: {', '.join(source_types())}")
-        builder = _SOURCE_TYPES[kind]
+            raise ValueError(f"rewards.sources[{i}]: {_SOURCE_TYPES.unknown(kind)}")
+        builder = _SOURCE_TYPES.get(kind)
         call_kwargs(builder, spec, what=f"rewards.sources[{i}] (type {kind!r})", args=(task,))
         try:
             if kind == "function" and sandbox is not None:

@@ -36,6 +36,7 @@ except ImportError:  # transformers 4: the in-memory layout is the checkpoint's
 from gspo.config import ENGINES
 from gspo.errors import UserError
 from gspo.models.presets import save_model
+from gspo.registry import Registry
 from gspo.rollout.generate import (RolloutBatch, Samples, SamplingParams, left_pad, response_mask_from_ids,
                                    rollout_batch, sample)
 from gspo.tasks import Example
@@ -78,7 +79,7 @@ class Engine(ABC):
         """Release the engine for good (vllm: its engine core and process group); default: nothing."""
 
 
-_REGISTRY: dict[str, type[Engine]] = {}
+_REGISTRY: Registry[type[Engine]] = Registry("engine", error=EngineUnavailable)
 _REQUIRES: dict[str, str] = {}
 
 
@@ -86,7 +87,7 @@ def register(name: str, *, requires: str | None = None):
     """Class decorator: register an engine under ``name``; ``requires``: the module it needs."""
 
     def decorate(cls: type[Engine]) -> type[Engine]:
-        _REGISTRY[name] = cls
+        _REGISTRY.add(name, cls)
         if requires:
             _REQUIRES[name] = requires
         return cls
@@ -94,17 +95,14 @@ def register(name: str, *, requires: str | None = None):
     return decorate
 
 
-def available() -> list[str]:
-    """Sorted names of the registered engines (installed or not)."""
-    return sorted(_REGISTRY)
+available = _REGISTRY.names
+"""Sorted names of the registered engines (installed or not)."""
 
 
 def check(name: str, model_type: str | None = None) -> None:
     """EngineUnavailable (one line) unless engine ``name`` is known, installed and can serve a model
     of ``model_type`` (its transformers ``config.model_type``); before anything is built."""
-    if name not in _REGISTRY:
-        raise EngineUnavailable(f"unknown engine {name!r}; valid: {', '.join(available())}")
-    refuse = getattr(_REGISTRY[name], "refuses", {}).get(model_type)
+    refuse = getattr(_REGISTRY.get(name), "refuses", {}).get(model_type)
     if refuse:
         raise EngineUnavailable(f"engine {name!r} cannot serve a {model_type} model: {refuse}")
     module = _REQUIRES.get(name)
@@ -116,7 +114,7 @@ def check(name: str, model_type: str | None = None) -> None:
 def build(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **options) -> Engine:
     """The engine ``name`` built from ``model`` (checked first); ``options`` go to its constructor."""
     check(name, getattr(model.config, "model_type", None))
-    return _REGISTRY[name](model, tokenizer, **options)
+    return _REGISTRY.get(name)(model, tokenizer, **options)
 
 
 def generate_batch(engine: Engine, tokenizer: PreTrainedTokenizerBase, examples: list[Example],

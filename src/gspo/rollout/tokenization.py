@@ -24,6 +24,7 @@ from tokenizers import models as tk_models
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from gspo.models.presets import build_char_tokenizer
+from gspo.registry import Registry
 from gspo.tasks import Example
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -81,18 +82,15 @@ def training_text(examples: list[Example]) -> list[str]:
 
 
 # model.tokenizer name -> builder(training examples, vocab size)
-TOKENIZERS: dict[str, Callable[[list[Example], int], PreTrainedTokenizerFast]] = {
-    "char": lambda examples, vocab_size: build_char_tokenizer(),
-    "bpe": lambda examples, vocab_size: build_bpe_tokenizer(training_text(examples), vocab_size),
-}
+TOKENIZERS: Registry[Callable[[list[Example], int], PreTrainedTokenizerFast]] = Registry("tokenizer")
+TOKENIZERS.add("char", lambda examples, vocab_size: build_char_tokenizer())
+TOKENIZERS.add("bpe", lambda examples, vocab_size: build_bpe_tokenizer(training_text(examples), vocab_size))
 
 
 def preset_tokenizer(name: str, examples: list[Example], vocab_size: int = DEFAULT_BPE_VOCAB
                      ) -> PreTrainedTokenizerFast:
     """The tokenizer ``model.tokenizer`` names, built from the training ``examples``."""
-    if name not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {name!r}; valid: {', '.join(sorted(TOKENIZERS))}")
-    return TOKENIZERS[name](examples, vocab_size)
+    return TOKENIZERS.get(name)(examples, vocab_size)
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -8,7 +8,7 @@ Prompts and answers are short plain ASCII, sized for tiny character-level models
 a class with those methods under `@register("name")`. Reward composition lives in `gspo.rewards.sources`.
 
 The tasks layer never imports torch, models, rewards or anything above: tasks are plain Python
-over strings (import-linter); only `gspo.errors` and `gspo.optional` are below it.
+over strings (import-linter); only `gspo.errors`, `gspo.registry` and `gspo.optional` are below it.
 """
 
 from gspo.tasks.base import (

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from gspo.errors import UserError
+from gspo.registry import Registry
 
 SPLITS = ("train", "test", "validation")
 
@@ -53,31 +54,22 @@ class TaskDataError(UserError, ValueError):
 # ---------------------------------------------------------------------------------------------
 # registry
 
-_REGISTRY: dict[str, Callable[..., Task]] = {}
+_REGISTRY: Registry[Callable[..., Task]] = Registry("task", valid="valid tasks")
 
 
 def register(name: str):
     """Class decorator: `@register("arithmetic")` makes the task buildable by name."""
-
-    def deco(factory):
-        if name in _REGISTRY:
-            raise ValueError(f"task {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
+    return _REGISTRY.register(name)
 
 
 def available() -> list[str]:
     """Names of the registered tasks, sorted."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get(name: str) -> Callable[..., Task]:
     """The task class (factory) registered under `name`."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(available())}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def build(name: str, **kwargs: Any) -> Task:

@@ -37,7 +37,8 @@ from gspo.errors import UserError
 from gspo.observe.metrics import read_metrics
 from gspo.tools.compare_report import write_report
 from gspo.training import provenance
-from gspo.tools.compare_stats import aggregate, compare_means, eval_series, pm, run_stats
+from gspo.tools.compare_stats import (aggregate, axis_differences, compare_means, eval_series, pm,
+                                      run_stats)
 from gspo.training.cold_start import cache_key, cached_checkpoint
 from gspo.training.trainer import Trainer
 
@@ -69,6 +70,17 @@ class Tune(Section):
     """Overrides for the tuning runs only (before --quick's); eval.split=validation is always added."""
 
 
+class Axis(Section):
+    name: str
+    """What the suite sweeps, e.g. length: the x of its difference plots."""
+    values: dict[str, list[str]] = Field(min_length=2)
+    """Value label -> the overrides that set it (e.g. long: [task.params.max_terms=14, ...]), in plot order. Every variant runs at every value, into OUT/<value>/<variant>/."""
+    baseline: str
+    """The variant every other one is compared against at each value (e.g. grpo)."""
+    tune_at: str | None = None
+    """Tune each variant once, at this value, and use its choice at every value (None: tune at every value)."""
+
+
 class Suite(Section):
     base: str | BaseSpec
     """Base config path, or {config, overrides}."""
@@ -87,6 +99,8 @@ class Suite(Section):
     a claim whose variants were not run is left out. Claims: ``available_claims()``."""
     tune: Tune = Tune()
     """Validation-split grid that picks each variant's hyper-parameters before the test runs."""
+    axis: Axis | None = None
+    """A sweep: the variants run at each of its values, claims are judged and differences to the baseline plotted per value."""
 
 
 def load_suite(path: str | Path) -> Suite:
@@ -108,7 +122,38 @@ def load_suite(path: str | Path) -> Suite:
             raise ConfigError(f"{path}: unknown claim {claim!r}; valid: {', '.join(CLAIMS)}")
         if len(roles) != CLAIMS[claim][0]:
             raise ConfigError(f"{path}: claim {claim!r} names {CLAIMS[claim][0]} variants, got {roles}")
+    if suite.axis is not None:
+        if suite.axis.baseline not in names:
+            raise ConfigError(f"{path}: axis.baseline {suite.axis.baseline!r} is not a variant; valid: {names}")
+        if suite.axis.tune_at is not None and suite.axis.tune_at not in suite.axis.values:
+            raise ConfigError(f"{path}: axis.tune_at {suite.axis.tune_at!r} is not an axis value; "
+                              f"valid: {list(suite.axis.values)}")
     return suite
+
+
+def cell(value: str, variant: str) -> str:
+    """The name of one variant at one axis value (also its folder under OUT)."""
+    return f"{value}/{variant}"
+
+
+def expand(suite: Suite) -> tuple[Suite, dict[str, str]]:
+    """The suite with its variants crossed with its axis values (cells named ``value/variant``,
+    the value's overrides first), its grid over the cells that are tuned, and for each cell the
+    cell whose tuning it uses (itself, or the same variant at ``axis.tune_at``). Without an axis:
+    the suite as it is, every variant its own source."""
+    if suite.axis is None:
+        return suite, {v.name: v.name for v in suite.variants}
+    axis, variants, grid, source = suite.axis, [], {}, {}
+    for value, overrides in axis.values.items():
+        for v in suite.variants:
+            name = cell(value, v.name)
+            variants.append(Variant(name=name, overrides=[*overrides, *v.overrides]))
+            at = axis.tune_at or value
+            source[name] = cell(at, v.name)
+            if v.name in suite.tune.grid and at == value:
+                grid[name] = suite.tune.grid[v.name]
+    tune = suite.tune.model_copy(update={"grid": grid})
+    return suite.model_copy(update={"variants": variants, "tune": tune}), source
 
 
 def _find(path: str, suite_file: Path) -> Path:
@@ -204,7 +249,7 @@ def _run_parallel(kind: str, batch: dict[str, TrainConfig], jobs: int, threads: 
     while queue or running:
         while queue and len(running) < jobs and not failed:
             label, cfg = queue.pop(0)
-            name = label.replace(" ", "_")
+            name = label.replace(" ", "_").replace("/", "-")
             config_file, log_file = logs / f"{name}.yaml", logs / f"{name}.log"
             config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             with log_file.open("w") as fh:
@@ -259,23 +304,25 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
     refused unless ``allow_mixed_commits``."""
     log = log or (lambda m: print(m, file=sys.stderr))
     suite_file = Path(suite_file)
-    suite = load_suite(suite_file)
+    suite, source = expand(load_suite(suite_file))
     variants = suite.variants
-    if only:
-        unknown = sorted(set(only) - {v.name for v in variants})
+    if only:  # variant names, or with an axis also value/variant cells
+        names = {v.name for v in variants} | {v.name.rpartition("/")[2] for v in variants}
+        unknown = sorted(set(only) - names)
         if unknown:
-            raise ConfigError(f"--variants: unknown {unknown}; valid: {[v.name for v in variants]}")
-        variants = [v for v in variants if v.name in only]
+            raise ConfigError(f"--variants: unknown {unknown}; valid: {sorted(names)}")
+        variants = [v for v in variants if {v.name, v.name.rpartition("/")[2]} & set(only)]
     out = Path(out or Path("runs/compare") / (suite_file.stem + ("-quick" if quick else "")))
 
     def config(v: Variant, k: int, **kw) -> TrainConfig:
         return resolve(suite, suite_file, v, k, out, quick=quick, extra=extra, **kw)
 
-    tuned = [v for v in variants if tune and v.name in suite.tune.grid]
+    needed = {source[v.name] for v in variants}
+    tuned = [v for v in suite.variants if tune and v.name in suite.tune.grid and v.name in needed]
     grid = {(v.name, i, k): config(v, k, candidate=i) for v in tuned
             for i in range(len(suite.tune.grid[v.name])) for k in range(suite.tune.seeds)}
     for v in variants:  # every test config validates before the first run (with any candidate)
-        for cand in (suite.tune.grid[v.name] if v in tuned else [[]]):
+        for cand in suite.tune.grid.get(source[v.name], [[]]) if tune else [[]]:
             config(v, 0, chosen=cand)
     provenance.write(out, provenance.collect(command="compare", extra={"suite": {
         "file": str(suite_file), "sha256": hashlib.sha256(suite_file.read_bytes()).hexdigest(),
@@ -294,6 +341,7 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
         tuning[v.name] = {"candidates": scores, "chosen": best, "chosen_overrides": chosen[v.name]}
         log(f"compare: tuned {v.name}: {' '.join(chosen[v.name])} (validation score "
             f"{scores[best]['score']:.3f})")
+    chosen = {v.name: chosen[source[v.name]] for v in variants if source[v.name] in chosen}
     configs = {(v.name, k): config(v, k, chosen=chosen.get(v.name, [])) for v in variants for k in range(seeds)}
     train_all({f"{n} seed {k}": c for (n, k), c in configs.items()}, jobs, log, out / "logs")
     runs = {v.name: [Path(configs[v.name, k].run.dir) for k in range(seeds)] for v in variants}
@@ -346,6 +394,16 @@ def collect(suite: Suite, runs: dict[str, list[Path]], chosen: dict[str, list[st
     results = {**meta, "quick_overrides": suite.quick, "threshold": suite.threshold, "collapse_min_gain": suite.collapse_min_gain,
                "shared_overrides": suite.overrides, "variants": variants}
     results["claims"] = judge_claims(suite.claims, variants)
+    if suite.axis is not None:
+        axis = suite.axis
+        for value in axis.values:
+            at_value = {name.rpartition("/")[2]: v for name, v in variants.items()
+                        if name.rpartition("/")[0] == value}
+            results["claims"] += [{**c, "value": value, "variants": [cell(value, r) for r in c["variants"]]}
+                                  for c in judge_claims(suite.claims, at_value)]
+        results["axis"] = {"name": axis.name, "values": list(axis.values), "baseline": axis.baseline,
+                           "tune_at": axis.tune_at,
+                           "differences": axis_differences(variants, list(axis.values), axis.baseline)}
     return results
 
 

@@ -161,6 +161,86 @@ def code_line(results: dict) -> str:
             + "; ".join(f"`{code}`: {', '.join(labels)}" for code, labels in by_code.items()) + ".")
 
 
+AXIS_PANELS = [  # (difference key, y label, log y)
+    ("best_accuracy", "best held-out accuracy − baseline's", False),
+    ("final_accuracy", "final held-out accuracy − baseline's", False),
+    ("clip_ratio", "clipped-token fraction / baseline's", True),
+]
+
+
+def _axis_labels(axis: dict) -> list[str]:
+    """Each axis value with the baseline's mean response length there (tokens)."""
+    labels = []
+    for value in axis["values"]:
+        lengths = [r[value]["response_length"][1] for r in axis["differences"].values() if value in r]
+        n = next((x for x in lengths if x is not None), None)
+        labels.append(value if n is None else f"{value}\n({n:.0f} tok)")
+    return labels
+
+
+def plot_axis(axis: dict, key: str, ylabel: str, path: Path, *, log: bool = False) -> bool:
+    """Each variant's difference to the baseline against the axis value; error bars: the seed
+    spread the claims use (std_a + std_b)."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    drawn = False
+    for i, (name, rows) in enumerate(axis["differences"].items()):
+        xs, ys, errs = [], [], []
+        for j, value in enumerate(axis["values"]):
+            d = rows.get(value, {}).get(key)
+            y, err = (d, 0.0) if not isinstance(d, dict) else (d["diff"], d["spread"])
+            if y is not None:
+                xs.append(j + 0.06 * (i - 1)), ys.append(y), errs.append(err or 0.0)
+        if xs:
+            ax.errorbar(xs, ys, yerr=errs if any(errs) else None, marker="o", capsize=3, label=name)
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return False
+    ax.axhline(1.0 if log else 0.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(axis["values"])), _axis_labels(axis))
+    ax.set_xlabel(axis["name"]), ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(f"vs {axis['baseline']}, by {axis['name']}", fontsize=9)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _diff_cell(d: dict) -> str:
+    if d["diff"] is None:
+        return "–"
+    mark = {"better": " (higher)", "worse": " (lower)", "within": ""}[d["verdict"]]
+    return f"{d['diff']:+.3f} ± {d['spread']:.3f}{mark}"
+
+
+def axis_section(axis: dict, figures: list[str]) -> list[str]:
+    """The sweep's table: at each value, each variant against the baseline."""
+    base = axis["baseline"]
+    lines = [f"## Sweep over {axis['name']}", "",
+             f"Every variant ran at every {axis['name']} value with the same budget; each row is a "
+             f"variant minus **{base}** at one value (mean over seeds ± the seed spread std_a + "
+             "std_b; *higher* / *lower* only when the difference exceeds that spread)."
+             + (f" Hyper-parameters were chosen once, at `{axis['tune_at']}`, and used at every "
+                "value." if axis.get("tune_at") else ""), "",
+             f"| {axis['name']} | variant | response tokens (variant / {base}) | best acc Δ | final acc Δ "
+             f"| collapses (variant / {base}) | clip-frac ratio |", "|---" * 7 + "|"]
+    for value in axis["values"]:
+        for name, rows in axis["differences"].items():
+            r = rows.get(value)
+            if r is None:
+                continue
+            la, lb = r["response_length"]
+            tokens = "–" if la is None or lb is None else f"{la:.0f} / {lb:.0f}"
+            ratio = "–" if r["clip_ratio"] is None else f"{r['clip_ratio']:.1f}x"
+            lines.append(f"| {value} | {name} | {tokens} | {_diff_cell(r['best_accuracy'])} "
+                         f"| {_diff_cell(r['final_accuracy'])} | {r['collapses'][0]}/{r['seeds'][0]} / "
+                         f"{r['collapses'][1]}/{r['seeds'][1]} | {ratio} |")
+    return lines + ["", *figures]
+
+
 def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> Path:
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -173,6 +253,14 @@ def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> P
         if key == "eval/accuracy" and plot_metric(runs, key, title + " vs time",
                                                   plots / "eval_accuracy_vs_time.png", wall=True):
             figures.append(f"![{title} vs time](plots/eval_accuracy_vs_time.png)")
+    axis_lines = []
+    if results.get("axis"):
+        axis_figures = []
+        for key, ylabel, log in AXIS_PANELS:
+            name = f"axis_{key}.png"
+            if plot_axis(results["axis"], key, ylabel, plots / name, log=log):
+                axis_figures.append(f"![{ylabel}](plots/{name})")
+        axis_lines = axis_section(results["axis"], axis_figures) + [""]
     seeds = max(v["summary"]["seeds"] for v in results["variants"].values())
     lines = [f"# Equal-budget comparison: `{results['suite_file']}`", "",
              f"{seeds} seed(s) per variant{', --quick budget' if results['quick'] else ''}. "
@@ -183,7 +271,7 @@ def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> P
               + (" (the last ones chosen on the validation split)" if v.get("tuned_overrides") else "")
               for n, v in results["variants"].items()]
     lines += ["", code_line(results), "", *tuning_section(results.get("tuning") or {}), "",
-              "## Results", "", *table(results), "",
+              "## Results", "", *table(results), "", *axis_lines,
               "Mean ± sample std over seeds. *Final*: last held-out evaluation; *best*: the highest "
               "one (cold start included). *Steps to* the threshold: first evaluated RL step at or "
               "above it, over the seeds that reached it. *Clip frac tokens*: mean over RL steps. "

@@ -38,6 +38,8 @@ def run_stats(rows: list[dict], summary: dict, threshold: float, min_gain: float
     steps = [r for r in rows if isinstance(r.get("time/step_s"), (int, float))]
     clip = [r["policy/clip_frac_tokens"] for r in rows
             if isinstance(r.get("policy/clip_frac_tokens"), (int, float))]
+    lengths = [r["response/length_mean"] for r in steps
+               if isinstance(r.get("response/length_mean"), (int, float))]
     train_s = sum(r["time/step_s"] for r in steps)
     n = summary.get("rollout_size")
     tokens = sum(r.get("response/length_mean", 0.0) * (n or 0) for r in steps)
@@ -47,6 +49,7 @@ def run_stats(rows: list[dict], summary: dict, threshold: float, min_gain: float
         "final_accuracy": summary["eval_after"]["accuracy"], "best_accuracy": best,
         "best_step": best_step, "steps_to_threshold": steps_to(series, threshold),
         "clip_frac_tokens": statistics.fmean(clip) if clip else None,
+        "response_length": statistics.fmean(lengths) if lengths else None,
         "wall_s": summary["wall_s"], "train_s": round(train_s, 2),
         "tokens_per_s": round(tokens / train_s, 1) if n and train_s > 0 else None,
         "collapsed": collapsed(series, min_gain),
@@ -63,11 +66,11 @@ def mean_std(values: list) -> dict:
 
 
 AGGREGATED = ["cold_accuracy", "final_accuracy", "best_accuracy", "steps_to_threshold",
-              "clip_frac_tokens", "wall_s", "train_s", "tokens_per_s"]
+              "clip_frac_tokens", "response_length", "wall_s", "train_s", "tokens_per_s"]
 
 
 def aggregate(per_seed: list[dict]) -> dict:
-    agg = {key: mean_std([r[key] for r in per_seed]) for key in AGGREGATED}
+    agg = {key: mean_std([r.get(key) for r in per_seed]) for key in AGGREGATED}
     agg["reached_threshold"] = sum(r["steps_to_threshold"] is not None for r in per_seed)
     agg["collapses"] = sum(r["collapsed"] for r in per_seed)
     agg["seeds"] = len(per_seed)
@@ -92,3 +95,36 @@ def pm(stat: dict, fmt: str = ".3f", missing: str = "n/a") -> str:
     return f"{stat['mean']:{fmt}} ± {stat['std']:{fmt}}"
 
 
+
+
+def difference(a: dict, b: dict) -> dict:
+    """a − b of two mean_std dicts: {diff, spread (std_a + std_b, the claims' bar), verdict}."""
+    if a["mean"] is None or b["mean"] is None:
+        return {"diff": None, "spread": None, "verdict": "within"}
+    return {"diff": a["mean"] - b["mean"], "spread": (a["std"] or 0.0) + (b["std"] or 0.0),
+            "verdict": compare_means(a, b)}
+
+
+def axis_differences(variants: dict, values: list[str], baseline: str) -> dict:
+    """Per variant other than ``baseline``, per axis value: its difference to the baseline at that
+    value (best and final held-out accuracy, collapses, clipped-token ratio) and both mean
+    response lengths. ``variants``: results' variants keyed ``value/variant``."""
+    names = [n for n in dict.fromkeys(k.rpartition("/")[2] for k in variants) if n != baseline]
+    out = {}
+    for name in names:
+        rows = {}
+        for value in values:
+            a, b = variants.get(f"{value}/{name}"), variants.get(f"{value}/{baseline}")
+            if a is None or b is None:
+                continue
+            sa, sb = a["summary"], b["summary"]
+            ca, cb = sa["clip_frac_tokens"]["mean"], sb["clip_frac_tokens"]["mean"]
+            rows[value] = {
+                "best_accuracy": difference(sa["best_accuracy"], sb["best_accuracy"]),
+                "final_accuracy": difference(sa["final_accuracy"], sb["final_accuracy"]),
+                "collapses": [sa["collapses"], sb["collapses"]], "seeds": [sa["seeds"], sb["seeds"]],
+                "clip_ratio": ca / cb if ca is not None and cb else None,
+                "response_length": [sa["response_length"]["mean"], sb["response_length"]["mean"]],
+            }
+        out[name] = rows
+    return out
