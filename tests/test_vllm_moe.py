@@ -6,7 +6,8 @@ test_vllm.py: vLLM serves one architecture per process).
   trainer's recomputation to 1e-5 in float32;
 * vLLM's own ``reload_weights`` alone still leaves the CPU experts stale (log-probs off by about
   0.13): what ``engines.forget_moe_kernels`` repairs. When that test fails, vLLM repairs it itself
-  and the repair can go.
+  and the repair can go;
+* a short default-job run on tiny-moe samples synced experts on every step.
 """
 
 import pytest
@@ -14,9 +15,12 @@ import torch
 
 pytest.importorskip("vllm")
 
+from gspo.observe.metrics import read_metrics  # noqa: E402
 from gspo.rollout import engines  # noqa: E402
 from gspo.rollout.generate import SamplingParams  # noqa: E402
+from gspo.training.trainer import Trainer  # noqa: E402
 from test_vllm import G, NEW, eos_prone, ids_of, trainer_gap  # noqa: E402
+from test_vllm_train import STEPS, TOL, vllm_config  # noqa: E402
 
 SAMPLED = SamplingParams(max_new_tokens=NEW, temperature=0.8)
 
@@ -71,3 +75,16 @@ def test_vllms_reload_alone_leaves_the_cpu_experts_stale(moe):
     assert gap(moe) > 1e-2
     engine.sync_weights(model)                                 # and the repair repairs it
     assert gap(moe) < 1e-5
+
+
+def test_a_short_tiny_moe_run_samples_synced_experts(tmp_path, monkeypatch):
+    """The loop on tiny-moe with vllm (no longer refused): on every step the engine's log-probs equal
+    the trainer's recomputation to TOL (0.13 off before the repair: a stale-expert sampler)."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = vllm_config(tmp_path / "run", tmp_path / "cache", "model.preset=tiny-moe", "sft.steps=100")
+    summary = Trainer(cfg).run()
+    assert summary["steps"] == STEPS
+    steps = [r for r in read_metrics(tmp_path / "run") if "mismatch/kl" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    for r in steps:
+        assert r["mismatch/token_abs_max"] < TOL, r
