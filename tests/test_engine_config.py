@@ -66,9 +66,11 @@ def test_torchrun_world_is_refused(monkeypatch):
         load_config("configs/default.yaml", ["rollout.engine=vllm"])
 
 
-def test_a_moe_model_is_refused_before_it_is_built(capsys, tmp_path):
+def test_a_model_type_the_engine_refuses_is_refused_before_it_is_built(capsys, tmp_path, monkeypatch):
+    """No model type is refused today (tiny-moe is served: test_vllm_moe.py); the hook is kept."""
+    monkeypatch.setitem(engines.VLLMEngine.refuses, "qwen3_moe", "a reason")
     err = _fails(capsys, tmp_path, "rollout.engine=vllm", "model.preset=tiny-moe")
-    assert "rollout.engine: engine 'vllm' cannot serve a qwen3_moe model" in err
+    assert "rollout.engine: engine 'vllm' cannot serve a qwen3_moe model: a reason" in err
 
 
 @pytest.mark.skipif(VLLM, reason="vLLM is installed here")

@@ -66,13 +66,15 @@ def test_policy_weights_include_the_tied_head(policy):
     assert names["lm_head.weight"].data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
-def test_registry_and_refusals(policy):
+def test_registry_and_refusals(policy, monkeypatch):
     model, tok = policy
     assert engines.available() == ["hf", "vllm"]
     with pytest.raises(engines.EngineUnavailable, match="unknown engine 'vlm'; valid: hf, vllm"):
         engines.build("vlm", model, tok)
+    assert engines.VLLMEngine.refuses == {}        # qwen3_moe is served (test_vllm_moe.py)
+    monkeypatch.setitem(engines.VLLMEngine.refuses, "qwen3_moe", "a reason")   # the hook still works
     moe, moe_tok = build_model("tiny-moe", 0)
-    with pytest.raises(engines.EngineUnavailable, match="cannot serve a qwen3_moe model: vLLM's") as err:
+    with pytest.raises(engines.EngineUnavailable, match="cannot serve a qwen3_moe model: a reason") as err:
         engines.build("vllm", moe, moe_tok)
     assert "\n" not in str(err.value)
     if importlib.util.find_spec("vllm") is None:

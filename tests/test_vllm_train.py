@@ -1,5 +1,6 @@
 """The training loop with rollout.engine=vllm (skipped where vLLM is not installed; `make
-test-vllm` runs this file in a pytest process of its own: one vLLM engine per process).
+test-vllm` runs this file in a pytest process of its own: vLLM serves one model architecture per
+process; engines of the same one, built one after the other, are fine).
 
 A short default-job run samples every step through vLLM (built once after the cold start), logs
 mismatch/* every step and resolves train.rollout_correction to tis; the weights are synced in
@@ -7,9 +8,12 @@ place: on every step the engine's log-probs equal the trainer's recomputation (b
 TOL, and after training the engine's samples are scored by the trained policy to TOL while the
 cold-start policy is off by more (the steps moved the log-probs beyond the tolerance, so a
 missed sync would fail the check).
+
+Stopped after step 1 and resumed, such a run repeats the uninterrupted one exactly (time/* aside).
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ pytest.importorskip("vllm")
 from gspo.config import load_config  # noqa: E402
 from gspo.core.logprobs import response_logprobs  # noqa: E402
 from gspo.models.presets import load_model  # noqa: E402
+from gspo.observe.metrics import read_metrics  # noqa: E402
 from gspo.rollout import engines  # noqa: E402
 from gspo.training.trainer import Trainer  # noqa: E402
 
@@ -34,13 +39,24 @@ def score(model, batch, temperature):
                                  temperature=temperature, with_entropy=False).logp          # [N, T]
 
 
-def test_a_short_vllm_run_samples_synced_weights(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    cfg = load_config("configs/default.yaml", [
-        f"run.dir={tmp_path / 'run'}", f"sft.cache_dir={tmp_path / 'cache'}", "run.progress=false",
+@pytest.fixture(scope="module")
+def sft_cache(tmp_path_factory):
+    """One cold start (cached by sft.cache_dir) for every run of this file."""
+    return tmp_path_factory.mktemp("sft-cache")
+
+
+def vllm_config(run_dir, cache, *overrides):
+    """The default job made tiny (150 SFT steps, 8 prompts x 4, 16 test prompts), sampled by vllm."""
+    return load_config("configs/default.yaml", [
+        f"run.dir={run_dir}", f"sft.cache_dir={cache}", "run.progress=false",
         "rollout.engine=vllm", "sft.steps=150", f"train.steps={STEPS}", "train.lr=1e-3",
         "rollout.prompts_per_step=8", "rollout.group_size=4", "task.n_test=16", "run.eval_every=0",
-        "run.trackers=[]"])
+        "run.trackers=[]", *overrides])
+
+
+def test_a_short_vllm_run_samples_synced_weights(tmp_path, monkeypatch, sft_cache):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = vllm_config(tmp_path / "run", sft_cache)
     assert cfg.train.rollout_correction.mode == "tis"
     trainer = Trainer(cfg)
     try:
@@ -68,3 +84,43 @@ def test_a_short_vllm_run_samples_synced_weights(tmp_path, monkeypatch):
         assert before.max().item() > 1e-3, before.max().item()
     finally:
         trainer.collector.close()
+
+
+def test_a_vllm_run_resumes_exactly(tmp_path, monkeypatch, sft_cache):
+    """Stopped after step 1 and resumed, a rollout.engine=vllm run repeats the uninterrupted one.
+
+    Why it can be exact: step k's generation seeds prompt p's G samples with
+    rollout_seed(seed, k) + p (a per-request generator in vLLM, independent of what the engine
+    sampled before), the resumed engine is built from the restored float32 checkpoint (bit-equal
+    to the weights the uninterrupted engine was synced to), and a step's batch is the same
+    prompts in the same order, so vLLM runs the same forwards. Step 2 of the resumed run is sampled
+    by a freshly built engine, step 3 by one synced in place after step 2's update: both paths.
+
+    Exact here (compared with ==): every metric of steps 2 and 3 (rewards, losses, the vLLM
+    log-prob metrics mismatch/*, the final greedy and pass@k evaluation through the engine) and
+    every weight of the final checkpoint. Not exact: time/* (wall clock). Not claimed: the same on
+    a GPU, where vLLM's kernels may pick other reduction orders for other batch shapes (the resumed
+    batches have the same shapes, but vLLM does not promise batch-invariant numerics)."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    straight = tmp_path / "straight"
+    every_step = ("run.save_every=1", "run.keep_checkpoints=4")   # step 1's checkpoint kept
+    summary = Trainer(vllm_config(straight, sft_cache, *every_step)).run()
+    assert summary["steps"] == STEPS
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    for later in range(2, STEPS + 1):                 # as if stopped right after step 1's checkpoint
+        shutil.rmtree(resumed / "checkpoints" / f"step_{later:06d}")
+    (resumed / "summary.json").unlink()
+    logs = []
+    again = Trainer(vllm_config(resumed, sft_cache, *every_step), resume=True, log=logs.append).run()
+    assert any("restored" in line and "(step 1)" in line for line in logs), logs
+    strip = lambda row: {k: v for k, v in row.items() if not k.startswith("time/")}  # noqa: E731
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(STEPS + 1))
+    assert all("mismatch/kl" in r for r in b[2:])     # the resumed steps sampled through vLLM
+    assert [strip(r) for r in b] == [strip(r) for r in a]
+    assert again["eval_after"] == summary["eval_after"]
+    final = f"step_{STEPS:06d}"
+    w_a = load_model(straight / "checkpoints" / final)[0].state_dict()
+    w_b = load_model(resumed / "checkpoints" / final)[0].state_dict()
+    assert w_a.keys() == w_b.keys() and all(torch.equal(w_a[k], w_b[k]) for k in w_a)

@@ -170,17 +170,25 @@ class Collector:
 
     def sampler(self) -> engines.Engine:
         """The rollout.engine, built from the policy on first use (after the cold start), else
-        synced with the policy's current weights (in place; a no-op for hf on the policy itself).
-        Called before each generation, so the weights after every optimizer step, a guard's
-        skip or roll-back, or a resume are the ones sampled from."""
+        woken (rollout.engine_sleep) and synced with the policy's current weights (in place; a
+        no-op for hf on the policy itself). Called before each generation, so the weights after
+        every optimizer step, a guard's skip or roll-back, or a resume are the ones sampled from."""
         if self.engine is None:
-            dtype = self.cfg.rollout.dtype
-            self.engine = engines.build(self.cfg.rollout.engine, self.model, self.tokenizer,
-                                        dtype=None if dtype == "model" else DTYPES[dtype],
-                                        seed=self.cfg.seed)
+            r = self.cfg.rollout
+            self.engine = engines.build(r.engine, self.model, self.tokenizer,
+                                        dtype=None if r.dtype == "model" else DTYPES[r.dtype],
+                                        seed=self.cfg.seed, enable_sleep_mode=r.engine_sleep)
         else:
+            if self.cfg.rollout.engine_sleep:   # woken before its weights are written
+                self.engine.wake_up()
             self.engine.sync_weights(self.model)
         return self.engine
+
+    def rest(self) -> None:
+        """After a step's generation, before its update: put the engine to sleep
+        (rollout.engine_sleep; a no-op for an engine with nothing to free)."""
+        if self.engine is not None and self.cfg.rollout.engine_sleep:
+            self.engine.sleep()
 
     def close(self) -> None:
         """Release the engine (end of the run)."""
@@ -209,7 +217,14 @@ class Collector:
                               capture_routing=cfg.moe.routing_replay == "rollout", shards=self.shards)
 
     def collect(self, step: int) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
-        """Generate and score P groups; with dynamic sampling, drop zero-variance groups and refill."""
+        """Generate and score P groups; with dynamic sampling, drop zero-variance groups and refill.
+        The engine sleeps once the step's generation is done (``rest``)."""
+        collected = self.collect_groups(step)
+        self.rest()
+        return collected
+
+    def collect_groups(self, step: int) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
+        """``collect`` without the engine's sleep."""
         cfg, G, P = self.cfg, self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step
         rounds = 1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)
         limit = len(range(P)[self.shards.share(P)]) * G        # this rank's rows (P·G in one process)

@@ -145,10 +145,12 @@ def policy_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]
 @register("hf")
 class HFEngine(Engine):
     """transformers ``generate`` (``rollout.sample``) on the policy, or on a copy in ``dtype``.
-    ``seed`` is accepted for a common constructor and unused: each ``generate`` is seeded."""
+    ``seed`` and ``enable_sleep_mode`` are accepted for a common constructor and unused: each
+    ``generate`` is seeded, and the policy's memory is the trainer's (nothing to free)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-                 dtype: torch.dtype | None = None, share_prompts: bool = True, seed: int = 0):
+                 dtype: torch.dtype | None = None, share_prompts: bool = True, seed: int = 0,
+                 enable_sleep_mode: bool = False):
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.share_prompts = share_prompts
         own = dtype is not None and dtype != next(model.parameters()).dtype
@@ -177,6 +179,25 @@ class HFEngine(Engine):
 
 # ----------------------------------------------------------------------------- vLLM
 
+def forget_moe_kernels(worker) -> int:
+    """Run in vLLM's worker before ``reload_weights``: drop each MoE layer's kernel, so that the
+    reload processes the new experts as a first load does; returns the number of layers.
+
+    Why (vLLM 0.32, CPU; docs/engines.md): a first load prepacks the experts into the CPU kernel's
+    grouped-gemm layout when it builds the kernel. A reload re-runs the layer's
+    ``process_weights_after_loading``, which, finding the kernel built, takes the weight-update
+    path: it skips the prepack, and the checkpoint-layout experts are copied into the prepacked
+    tensors (log-probs off by 0.13 after syncing unchanged weights). Without a kernel the reload
+    takes the first-load path (pad, prepack, a fresh kernel) and copies its result in place."""
+    count = 0
+    for module in worker.model_runner.model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            count += 1
+    return count
+
+
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -190,12 +211,9 @@ class VLLMEngine(Engine):
     ``enable_sleep_mode`` go to vLLM on a GPU; ``kv_cache_gib``: the KV cache on a CPU (vLLM's
     default, 4 GiB and a warm-up pass, is far more than the tiny presets need)."""
 
-    refuses: dict[str, str] = {
-        "qwen3_moe": "vLLM's in-place weight reload leaves its MoE experts stale (measured on the CPU "
-                     "build 0.32: log-probs off by 0.13 after syncing unchanged weights; "
-                     "tests/test_vllm.py keeps watching), so RL steps would sample from old experts",
-    }
-    """config.model_type -> why this engine cannot serve it (each one shown by a test)."""
+    refuses: dict[str, str] = {}
+    """config.model_type -> why this engine cannot serve it (each one shown by a test); none now:
+    the MoE experts' stale reload on a CPU is repaired by ``sync_weights``."""
     always_logprobs = True
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
@@ -221,10 +239,13 @@ class VLLMEngine(Engine):
                             enforce_eager=True, max_model_len=max_model_len,
                             logprobs_mode="processed_logprobs",   # after temperature, as the trainer's
                             **gpu, **llm_options)
+        self.on_gpu = on_gpu
         self.can_sleep = on_gpu and enable_sleep_mode
         self.sleeping = False
 
     def sync_weights(self, model: PreTrainedModel) -> None:
+        if not self.on_gpu:   # CPU MoE: prepack the reloaded experts as a first load does
+            self.llm.collective_rpc(forget_moe_kernels)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
         self.llm.reset_prefix_cache()        # cached prompt KV was computed with the old weights
 
