@@ -565,6 +565,9 @@ def async_refusal(cfg: "TrainConfig") -> None:
         why = "a guard rollback: the batches in flight were sampled by the weights rolled back"
     elif cfg.audit.every and s > 0:
         why = "audit.every with max_staleness > 0: the audit records the trainer's weights as π_old"
+    elif cfg.model.lora is not None and cfg.model.lora.dropout > 0:
+        why = (f"model.lora.dropout={cfg.model.lora.dropout}: the trainer's dropout masks would be "
+               "drawn from the torch RNG the worker samples from (runs not reproducible)")
     if why is not None:
         raise ValueError(f"rollout.async=true cannot serve {why}; set rollout.async=false")
 

@@ -31,6 +31,14 @@ minibatch's forward as π_old, which only holds on-policy). With ``train.old_log
 the generator's own log-probs are already π_v's. When k = v the trainer recomputes π_old itself,
 exactly as in the synchronous loop (docs/math.md, "Asynchronous rollouts").
 
+**torch's global RNG is the worker's.** transformers ``generate`` samples from torch's global CPU
+generator (seeded per batch), which all threads share. So while the worker samples, the trainer
+must neither draw from it nor set it: the RL update draws nothing (no dropout: a policy with
+dropout is refused; activation checkpointing does not save and restore the RNG state,
+gspo.core.logprobs and gspo.models.presets), and anything else that does (evaluation) holds
+``rng_lock``. A checkpoint recompute that restored the RNG state mid-step rewound the worker's
+stream: the same seed then sampled other tokens, one run in a few (issue 18's resume race).
+
 Threads: ``torch.set_num_threads`` sets the calling thread's OpenMP pool size, so the worker sets
 its own (``run.threads``) when it starts; with 1 each side runs its ops on its own core. Neither
 side polls: the trainer blocks on a queue, the worker on a condition variable.
@@ -49,6 +57,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from gspo.errors import UserError
+from gspo.models.presets import dropout_rates
 from gspo.rollout.collect import Collector
 from gspo.training.passes import LogprobPasses
 
@@ -113,6 +123,12 @@ class AsyncSource:
 
     def __init__(self, cfg, collector: Collector, passes: LogprobPasses, *, skip_rows: bool,
                  log=print):
+        rates = dropout_rates(collector.model)
+        if rates:
+            name, p = next(iter(rates.items()))
+            raise UserError(f"rollout.async=true cannot train a policy with dropout ({name}={p}): "
+                            "its masks would be drawn from the torch RNG the rollout worker samples "
+                            "from; set it to 0 or rollout.async=false")
         self.cfg, self.collector, self.passes = cfg, collector, passes
         self.skip_rows, self.log = skip_rows, log
         self.s = cfg.rollout.max_staleness
