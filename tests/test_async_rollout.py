@@ -151,6 +151,27 @@ def test_a_stop_saves_and_joins_the_worker(make_cfg, reward_module):
     assert [r["step"] for r in read_metrics(trainer.run_dir)] == [0, 1, 2]
 
 
+def test_settle_returns_once_the_worker_waits_for_new_weights(fresh, monkeypatch):
+    """After step 0 and the weights of version 1, the worker can make batches 1 (version 0) and 2
+    (version 1), then must wait for version 2: settle returns only then."""
+    made, collect = [], async_rollout.Collector.collect
+
+    def counted(self, step):
+        out = collect(self, step)
+        made.append(step)
+        return out
+    monkeypatch.setattr(async_rollout.Collector, "collect", counted)
+    t = fresh("rollout.async=true", "rollout.max_staleness=1", "train.steps=4")
+    try:
+        t.step(0)
+        t.rollouts.publish(1)
+        t.rollouts.settle()
+        assert made == [0, 1, 2]
+    finally:
+        t.rollouts.close()
+    assert not _worker_threads()
+
+
 @pytest.mark.parametrize("checkpointing", ["false", "true"])
 def test_the_rl_update_leaves_torchs_global_rng_alone(fresh, monkeypatch, checkpointing):
     """The worker samples from torch's global RNG while the trainer updates, so the update must

@@ -14,6 +14,7 @@ the update skips rows without signal, never the trainer. The hooks, all the loop
     source.publish(k + 1)                    # after step k's update and the guard's verdict
     source.save(folder, done)                # inside a checkpoint of ``done`` steps
     with source.rng_lock: evaluate(...)      # anything else that draws from torch's global RNG
+    source.settle()                          # block until the worker waits for new weights
     source.close()                           # at the end, however it ends: stop and join
 
 **Staleness, fixed.** The batch of step k is always sampled by the weights of version
@@ -114,6 +115,9 @@ class SyncSource:
     def load(self, folder: Path) -> None:
         pass
 
+    def settle(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -133,9 +137,11 @@ class AsyncSource:
         self.skip_rows, self.log = skip_rows, log
         self.s = cfg.rollout.max_staleness
         self.rng_lock = threading.Lock()       # torch's global RNG: the worker's sampling vs eval
-        self._cond = threading.Condition()     # guards _weights and _stopping
+        self._cond = threading.Condition()     # guards _weights, _stopping, _awaiting, _done
         self._weights: dict[int, dict[str, torch.Tensor]] = {}   # version -> weights
         self._stopping = False
+        self._awaiting: int | None = None      # the version the worker is blocked on
+        self._done = False                     # the worker has returned
         self._ready: queue.Queue = queue.Queue()   # (step, version, collected, seconds) | exception
         self._thread: threading.Thread | None = None
         self.dropped = 0
@@ -197,6 +203,15 @@ class AsyncSource:
                 if match:
                     self._weights[int(match.group(1))] = load_file(str(path), device=device)
 
+    def settle(self) -> None:
+        """Block until the worker has made every batch it can with the weights published so far
+        (it waits for weights not yet published, or is done): a benchmark that times a stretch of
+        steps then leaves nothing running after it (the time is the stretch's, counted there)."""
+        with self._cond:
+            while self._thread is not None and not self._done and (
+                    self._awaiting is None or self._awaiting in self._weights):
+                self._cond.wait()
+
     def close(self) -> None:
         """Stop the worker (after the batch it is making, if any) and join it."""
         with self._cond:
@@ -253,12 +268,19 @@ class AsyncSource:
                 self._ready.put((k, v, collected, worker.cursor.state(), seconds))
         except BaseException as err:  # noqa: BLE001  the trainer raises it at its next batch
             self._ready.put(err)
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
 
     def _await(self, version: int):
         """(weights of ``version``, version) once published; (None, version) when stopping."""
         with self._cond:
+            self._awaiting = version
+            self._cond.notify_all()                       # (settle)
             while version not in self._weights and not self._stopping:
                 self._cond.wait()
+            self._awaiting = None
             return (None, version) if self._stopping else (self._weights[version], version)
 
     def behaviour_logp(self, passes: LogprobPasses, batch, rewards) -> None:
