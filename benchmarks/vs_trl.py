@@ -163,7 +163,7 @@ class GspoRunner:
         if "threads" not in RunConfig.model_fields:  # an older gspo (before/after figures)
             overrides.pop("run.threads")
         if a.reward == "parity":
-            overrides["rewards"] = "[{type: function, fn: 'vs_trl:first_char_parity'}]"
+            overrides["rewards.sources"] = "[{type: function, fn: 'vs_trl:first_char_parity'}]"
         if a.init == "random":
             overrides["task.name"] = "arithmetic"
         base = a.config if a.init == "coldstart" else None   # the job's task and rewards

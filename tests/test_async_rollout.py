@@ -17,8 +17,10 @@ import torch
 from gspo.training import async_rollout
 from gspo.config import ConfigError, load_config
 from gspo.errors import Interrupted, UserError
+from gspo.core import correction, objectives
 from gspo.core.logprobs import response_logprobs
 from gspo.observe.metrics import read_metrics
+from gspo.rollout.collect import loss_mask
 from gspo.models.presets import (build_model, dropout_rates, enable_activation_checkpointing,
                                  load_model)
 from gspo.training.trainer import Trainer
@@ -224,8 +226,68 @@ def test_checkpointing_repeats_the_dropout_masks_of_a_model_with_dropout():
     assert all(torch.equal(a, b) for a, b in zip(want, grads(checkpointed, 1)))
 
 
+def test_the_decoupled_ratio_by_hand():
+    """docs/math.md's example: π_v = (0.5, 0.5), π_prox = (0.6, 0.3), π_θ = (0.66, 0.3), Â = 1,
+    grpo (ε 0.2/0.27, token mean) with tis (C = 2). Decoupled: weights π_prox/π_v = (1.2, 0.6),
+    ratios π_θ/π_prox = (1.1, 1.0), none clipped: loss −(1.2·1.1 + 0.6·1.0)/2 = −0.96, gradient
+    on log π_θ −(1.32, 0.6)/2. Behaviour (coupled): ratios (1.32, 0.6), the first clipped at 1.27:
+    loss −(1.27 + 0.6)/2 = −0.935, gradient (0, −0.3)."""
+    v, prox = torch.tensor([[0.5, 0.5]]).log(), torch.tensor([[0.6, 0.3]]).log()
+    theta = torch.tensor([[0.66, 0.3]]).log().requires_grad_()
+    mask, adv = torch.ones(1, 2), torch.ones(1)
+    grpo = objectives.spec("grpo").fn
+    kw = dict(eps_low=0.2, eps_high=0.27, aggregation="seq-mean-token-mean")
+    fix = correction.spec("tis").fn(prox, v, mask, cap=2.0)
+    torch.testing.assert_close(fix.weight, torch.tensor([[1.2, 0.6]]))
+    weighted = correction.weighted_advantages(adv, fix.weight, mask, per_row=False)    # [1, 2]
+    loss, _ = grpo(theta, prox, weighted, mask, **kw)
+    loss.backward()
+    torch.testing.assert_close(loss, torch.tensor(-0.96))
+    torch.testing.assert_close(theta.grad, torch.tensor([[-0.66, -0.30]]))
+    theta.grad = None
+    loss, _ = grpo(theta, v, adv, mask, **kw)
+    loss.backward()
+    torch.testing.assert_close(loss, torch.tensor(-0.935))
+    torch.testing.assert_close(theta.grad, torch.tensor([[0.0, -0.30]]))
+
+
+def test_decoupled_takes_pi_old_from_the_trainer_and_weighs_it_to_the_sampler(tmp_path, small_config,
+                                                                               reward_module):
+    """rollout.async_ratio=decoupled, s = 1: the worker takes no log-probs; the trainer's π_old of
+    the stale batch 2 is its own weights after step 2 (the proximal policy), so mismatch/kl of
+    step 3 is KL(π_v ‖ π_prox) from the sampler's log-probs and that checkpoint's, not the
+    float noise of the on-policy step 1."""
+    seen, original = {}, async_rollout.AsyncSource.collect
+
+    def recording(self, step):
+        out = original(self, step)
+        seen[step] = out[0]
+        return out
+    async_rollout.AsyncSource.collect = recording
+    try:
+        run = _run(lambda *o, run="run": small_config(tmp_path, *o, run=run), reward_module,
+                   "rollout.async=true", "rollout.max_staleness=1", "rollout.async_ratio=decoupled",
+                   "train.rollout_correction.mode=tis")
+    finally:
+        async_rollout.AsyncSource.collect = original
+    rows = read_metrics(run)[1:]
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    batch = seen[2]
+    assert "behaviour_logp" not in batch.extras and batch.rollout_logp is not None
+    proximal, _ = load_model(f"{run}/checkpoints/step_000002")
+    cfg = small_config(tmp_path, "sft.enabled=false")
+    with torch.no_grad():
+        prox = response_logprobs(proximal, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                 temperature=cfg.rollout.temperature).logp               # [N, T]
+    mask = loss_mask(batch, cfg.train.mask_truncated)                                   # [N, T]
+    want = objectives.masked_mean(objectives.kl_k3(batch.rollout_logp, prox), mask)
+    assert abs(rows[2]["mismatch/kl"] - want.item()) < 1e-5
+    assert rows[2]["mismatch/kl"] > 100 * max(rows[0]["mismatch/kl"], 1e-9)
+
+
 @pytest.mark.parametrize("override, needle", [
     ("model.lora={r: 4, dropout: 0.1}", "model.lora.dropout"),
+    ("rollout.async_ratio=decoupled", "rollout.async_ratio=decoupled needs a train.rollout_correction"),
     ("objective.name=ppo", "objective.name=ppo"),
     ("objective.name=dpo", "objective.name=dpo"),
     ("moe.routing_replay=old", "moe.routing_replay=old"),
@@ -253,6 +315,8 @@ def test_config_round_trips_the_async_key(tmp_path):
     assert load_config(tmp_path / "c.yaml") == cfg
     with pytest.raises(ConfigError):
         load_config(None, ["rollout.max_staleness=-1"])
+    with pytest.raises(ConfigError, match="needs rollout.async=true"):
+        load_config(None, ["rollout.async_ratio=decoupled", "train.rollout_correction.mode=tis"])
 
 
 def test_behaviour_rows_are_the_groups_with_a_signal():

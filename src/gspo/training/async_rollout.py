@@ -30,7 +30,10 @@ can carry a gradient (``behaviour_rows``) under the weights it sampled with and 
 ``batch.extras["behaviour_logp"]``; the trainer takes them as π_old (and does not reuse its first
 minibatch's forward as π_old, which only holds on-policy). With ``train.old_logprobs: rollout``
 the generator's own log-probs are already π_v's. When k = v the trainer recomputes π_old itself,
-exactly as in the synchronous loop (docs/math.md, "Asynchronous rollouts").
+exactly as in the synchronous loop (docs/math.md, "Asynchronous rollouts"). With
+``rollout.async_ratio: decoupled`` the worker takes none: the trainer recomputes π_old under its
+own weights (the proximal policy) and ``train.rollout_correction`` weighs it against the sampler's
+log-probs, which are π_v's.
 
 **torch's global RNG is the worker's.** transformers ``generate`` samples from torch's global CPU
 generator (seeded per batch), which all threads share. So while the worker samples, the trainer
@@ -289,6 +292,8 @@ class AsyncSource:
         when the generator's log-probs are kept: the mismatch metrics and correction read them all)."""
         if batch is None or self.cfg.train.old_logprobs == "rollout":  # rollout: π_v's already
             return
+        if self.cfg.rollout.async_ratio == "decoupled":  # the sampler's log-probs (the correction
+            return       # asks for them) are π_v's; the trainer recomputes π_old = π_prox itself
         every_row = not self.skip_rows or batch.rollout_logp is not None  # mismatch reads them all
         rows = None if every_row else behaviour_rows(rewards, self.cfg.rollout.group_size)
         batch.extras["behaviour_logp"] = passes.old_logprobs(batch, rows)            # [N, T]
