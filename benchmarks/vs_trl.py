@@ -181,6 +181,8 @@ class GspoRunner:
                 t.guard.before_step(self.step)
                 row = t.step(self.step)
                 t.guard.after_step(row)
+                if hasattr(t, "rollouts"):
+                    t.rollouts.publish(row["step"])   # async: these weights to the worker
             else:                                   # an older gspo: the guard took the trainer
                 t.guard.before_step(t, self.step)
                 row = t.step(self.step)
