@@ -48,8 +48,10 @@ TRL's synchronous default, which recomputes activations in backward (``--trl-gra
 
 gspo's worker thread must not run on TRL's clock: at the end of each gspo round the benchmark
 waits until the worker has made every batch it can (``settle``) and counts that wait in the
-round's last step. So compare means (``mean s/step``), which include it; with ``--steps 1`` every
-step pays for a whole generation it cannot overlap, so use several steps per round.
+round's last step. So compare whole rounds (``TRL/gspo per round``: a gspo round's seconds
+against those of the TRL steps right after it, robust to the load drifting between rounds) or
+means, which include it, not medians; with ``--steps 1`` every step pays for a whole generation it
+cannot overlap, so use several steps per round.
 
 Figures and how to read them: docs/performance.md.
 """
@@ -324,10 +326,14 @@ def bench_preset(a: argparse.Namespace, preset: str, tmp: Path) -> dict:
         gspo.close()
     g, t = statistics.median(gspo.seconds), statistics.median(results["trl_seconds"])
     gm, tm = statistics.mean(gspo.seconds), statistics.mean(results["trl_seconds"])
+    n = a.steps     # gspo's round r runs just before TRL's steps r*n .. r*n+n-1: neighbours in time
+    rounds = [sum(results["trl_seconds"][i:i + n]) / sum(gspo.seconds[i:i + n])
+              for i in range(0, len(gspo.seconds), n)]
     return {
         "preset": preset, "gspo_s": gspo.seconds, "trl_s": results["trl_seconds"],
         "gspo_median_s": g, "trl_median_s": t, "speedup": t / g,
         "gspo_mean_s": gm, "trl_mean_s": tm, "speedup_mean": tm / gm,
+        "speedup_rounds": rounds, "speedup_rounds_median": statistics.median(rounds),
         "gspo_tokens_per_s": statistics.median(gspo.tokens) / g,
         "trl_tokens_per_s": statistics.median(results["trl_tokens"]) / t,
         "gspo_tokens_per_step": statistics.median(gspo.tokens),
@@ -366,6 +372,10 @@ def main() -> int:
         print(f"{r['preset']:<11} {r['gspo_median_s']:>11.3f} {r['trl_median_s']:>11.3f} "
               f"{r['speedup']:>8.2f}x {r['gspo_tokens_per_s']:>10.0f} {r['trl_tokens_per_s']:>10.0f} "
               f"{r['gspo_mean_s']:>10.3f} {r['trl_mean_s']:>6.3f} {r['speedup_mean']:>8.2f}x")
+    for r in results:
+        print(f"{r['preset']}: TRL/gspo per round (each round's seconds, gspo's round against the "
+              f"TRL steps right after it) {' '.join(f'{x:.2f}' for x in r['speedup_rounds'])}, "
+              f"median {r['speedup_rounds_median']:.2f}x")
     for r in results:
         shares = ", ".join(f"{k} {v:.1%}" for k, v in r["gspo_breakdown"].items())
         print(f"gspo time shares ({r['preset']}): {shares}")
