@@ -39,6 +39,20 @@ Tokens per second count generated tokens up to and including EOS. Nothing is dow
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --reward parity --preset tiny-moe --json out.json
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --init coldstart --rounds 10 --steps 1
 
+What a user gets (not equal work): gspo with asynchronous rollouts (``--gspo-async 1``: the next
+batch is generated while this one trains, ``rollout.async=true rollout.max_staleness=1``) against
+TRL's synchronous default, which recomputes activations in backward (``--trl-gradient-checkpointing``):
+
+    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --reward parity --preset tiny-dense \
+        --gspo-async 1 --trl-gradient-checkpointing --rounds 5 --steps 3
+
+gspo's worker thread must not run on TRL's clock: at the end of each gspo round the benchmark
+waits until the worker has made every batch it can (``settle``) and counts that wait in the
+round's last step. So compare whole rounds (``TRL/gspo per round``: a gspo round's seconds
+against those of the TRL steps right after it, robust to the load drifting between rounds) or
+means, which include it, not medians; with ``--steps 1`` every step pays for a whole generation it
+cannot overlap, so use several steps per round.
+
 Figures and how to read them: docs/performance.md.
 """
 
@@ -91,6 +105,8 @@ def _args(argv=None) -> argparse.Namespace:
                    help="verifier: the task's own check (arithmetic exact match: 0 everywhere for an "
                         "untrained model, no group has a signal); parity: the first character's "
                         "code point is odd (varies inside nearly every group)")
+    p.add_argument("--gspo-async", type=int, default=None, metavar="S",
+                   help="gspo with rollout.async=true, rollout.max_staleness=S (default: synchronous)")
     p.add_argument("--gspo-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra gspo config overrides, e.g. train.skip_zero_advantage=false")
     p.add_argument("--json", help="also write the results here")
@@ -143,11 +159,13 @@ class GspoRunner:
             "train.beta": 0.0, "train.grad_clip": 1.0, "train.warmup_steps": 0,
             "train.steps": a.warmup + a.rounds * a.steps,
         }
+        if a.gspo_async is not None:
+            overrides.update({"rollout.async": True, "rollout.max_staleness": a.gspo_async})
         from gspo.config import RunConfig
         if "threads" not in RunConfig.model_fields:  # an older gspo (before/after figures)
             overrides.pop("run.threads")
         if a.reward == "parity":
-            overrides["rewards"] = "[{type: function, fn: 'vs_trl:first_char_parity'}]"
+            overrides["rewards.sources"] = "[{type: function, fn: 'vs_trl:first_char_parity'}]"
         if a.init == "random":
             overrides["task.name"] = "arithmetic"
         base = a.config if a.init == "coldstart" else None   # the job's task and rewards
@@ -165,6 +183,8 @@ class GspoRunner:
                 t.guard.before_step(self.step)
                 row = t.step(self.step)
                 t.guard.after_step(row)
+                if hasattr(t, "rollouts"):
+                    t.rollouts.publish(row["step"])   # async: these weights to the worker
             else:                                   # an older gspo: the guard took the trainer
                 t.guard.before_step(t, self.step)
                 row = t.step(self.step)
@@ -180,6 +200,15 @@ class GspoRunner:
                 self.tokens.append(row["response/length_mean"] * self.cfg.batch_size)
                 self.rows.append(row)
             self.step += 1
+        if hasattr(t, "rollouts") and hasattr(t.rollouts, "settle"):
+            t0 = time.perf_counter()
+            t.rollouts.settle()        # async: the batches it makes ahead are made on gspo's clock
+            if measure:
+                self.seconds[-1] += time.perf_counter() - t0
+
+    def close(self) -> None:
+        if hasattr(self.trainer, "rollouts"):
+            self.trainer.rollouts.close()
 
     def breakdown(self) -> dict[str, float]:
         """Mean share of time/step_s per part over the measured steps (time/* metrics)."""
@@ -291,11 +320,20 @@ def bench_preset(a: argparse.Namespace, preset: str, tmp: Path) -> dict:
     trainer, token_log = trl_trainer(a, checkpoint, tmp / f"{preset}-trl", [train[i] for i in order],
                                      task, make_callback(a, gspo, results))
     results["trl_token_log"] = token_log
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        gspo.close()
     g, t = statistics.median(gspo.seconds), statistics.median(results["trl_seconds"])
+    gm, tm = statistics.mean(gspo.seconds), statistics.mean(results["trl_seconds"])
+    n = a.steps     # gspo's round r runs just before TRL's steps r*n .. r*n+n-1: neighbours in time
+    rounds = [sum(results["trl_seconds"][i:i + n]) / sum(gspo.seconds[i:i + n])
+              for i in range(0, len(gspo.seconds), n)]
     return {
         "preset": preset, "gspo_s": gspo.seconds, "trl_s": results["trl_seconds"],
         "gspo_median_s": g, "trl_median_s": t, "speedup": t / g,
+        "gspo_mean_s": gm, "trl_mean_s": tm, "speedup_mean": tm / gm,
+        "speedup_rounds": rounds, "speedup_rounds_median": statistics.median(rounds),
         "gspo_tokens_per_s": statistics.median(gspo.tokens) / g,
         "trl_tokens_per_s": statistics.median(results["trl_tokens"]) / t,
         "gspo_tokens_per_step": statistics.median(gspo.tokens),
@@ -317,6 +355,10 @@ def main() -> int:
           f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
     print(f"init={a.init} reward={a.reward} P={a.prompts} G={a.group} max_new_tokens={a.max_new_tokens} M={a.minibatches} "
           f"lr={a.lr}; warm-up {a.warmup}, {a.rounds} rounds x {a.steps} steps each, interleaved")
+    print("gspo: " + ("synchronous" if a.gspo_async is None else
+                      f"asynchronous rollouts, max_staleness {a.gspo_async}")
+          + "; TRL: synchronous, gradient checkpointing " + ("on (its default)" if
+                                                            a.trl_gradient_checkpointing else "off"))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in a.preset:
@@ -325,10 +367,15 @@ def main() -> int:
             print(f"\n{preset}: seconds per RL step, gspo {' '.join(f'{s:.3f}' for s in r['gspo_s'])}")
             print(f"{preset}: seconds per RL step, TRL  {' '.join(f'{s:.3f}' for s in r['trl_s'])}")
     print(f"\n{'preset':<11} {'gspo s/step':>11} {'TRL s/step':>11} {'TRL/gspo':>9} "
-          f"{'gspo tok/s':>10} {'TRL tok/s':>10}")
+          f"{'gspo tok/s':>10} {'TRL tok/s':>10} {'mean: gspo':>10} {'TRL':>6} {'TRL/gspo':>9}")
     for r in results:
         print(f"{r['preset']:<11} {r['gspo_median_s']:>11.3f} {r['trl_median_s']:>11.3f} "
-              f"{r['speedup']:>8.2f}x {r['gspo_tokens_per_s']:>10.0f} {r['trl_tokens_per_s']:>10.0f}")
+              f"{r['speedup']:>8.2f}x {r['gspo_tokens_per_s']:>10.0f} {r['trl_tokens_per_s']:>10.0f} "
+              f"{r['gspo_mean_s']:>10.3f} {r['trl_mean_s']:>6.3f} {r['speedup_mean']:>8.2f}x")
+    for r in results:
+        print(f"{r['preset']}: TRL/gspo per round (each round's seconds, gspo's round against the "
+              f"TRL steps right after it) {' '.join(f'{x:.2f}' for x in r['speedup_rounds'])}, "
+              f"median {r['speedup_rounds_median']:.2f}x")
     for r in results:
         shares = ", ".join(f"{k} {v:.1%}" for k, v in r["gspo_breakdown"].items())
         print(f"gspo time shares ({r['preset']}): {shares}")

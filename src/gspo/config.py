@@ -265,6 +265,8 @@ class RolloutConfig(Section):
     """rollout.async: generate, score and take π_old of the next batches in a worker thread with its own copy of the policy while the trainer trains on this one (gspo.async_rollout, docs/performance.md). The batch of step k is sampled by the weights after step k - max_staleness, always (so runs are reproducible and resume exactly); one torch thread per side on CPU."""
     max_staleness: int = Field(1, ge=0)
     """With rollout.async: s, how many RL steps the sampling policy of a batch may lag the policy trained on it (its ratio is taken against that behaviour policy, docs/math.md). 0 runs in lockstep and reproduces the synchronous run exactly."""
+    async_ratio: Literal["behaviour", "decoupled"] = "behaviour"
+    """With rollout.async, what a stale batch's ratio is taken against (docs/math.md, Asynchronous rollouts): behaviour (π_old = the policy v that sampled it; the clip acts on π_θ/π_v) | decoupled (π_old = the trainer's weights before this step, the proximal policy, recomputed; the clip acts on π_θ/π_prox and train.rollout_correction, which it needs, weighs each token or response by π_prox/π_v: seq_tis for sequence-level objectives such as gspo)."""
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
@@ -567,6 +569,9 @@ def async_refusal(cfg: "TrainConfig") -> None:
         why = "a guard rollback: the batches in flight were sampled by the weights rolled back"
     elif cfg.audit.every and s > 0:
         why = "audit.every with max_staleness > 0: the audit records the trainer's weights as π_old"
+    elif cfg.model.lora is not None and cfg.model.lora.dropout > 0:
+        why = (f"model.lora.dropout={cfg.model.lora.dropout}: the trainer's dropout masks would be "
+               "drawn from the torch RNG the worker samples from (runs not reproducible)")
     if why is not None:
         raise ValueError(f"rollout.async=true cannot serve {why}; set rollout.async=false")
 
@@ -647,6 +652,12 @@ class TrainConfig(Section):
                              f"experts moe.routing_replay=rollout cannot capture: use rollout.dtype=model")
         if self.rollout.async_:
             async_refusal(self)
+            if self.rollout.async_ratio == "decoupled" and self.train.rollout_correction.mode == "none":
+                raise ValueError("rollout.async_ratio=decoupled needs a train.rollout_correction.mode "
+                                 "to weigh the proximal policy to the behaviour one (e.g. seq_tis for "
+                                 "gspo, tis for grpo)")
+        elif self.rollout.async_ratio != "behaviour":
+            raise ValueError(f"rollout.async_ratio={self.rollout.async_ratio} needs rollout.async=true")
         if self.train.beta == 0 and any(r.kind == "kl_ref" for r in self.guard.rules):
             raise ValueError("guard rule kl_ref watches the KL to the reference policy: it needs "
                              "train.beta > 0")

@@ -217,7 +217,11 @@ def _packed_logprobs(
     logps, ents = [], []
     for h_c, y_c in zip(h.split(chunk_size), targets.split(chunk_size)):  # [C, H], [C]
         args = (head, transform, h_c, y_c, temperature, with_entropy, entropy_grad)
-        lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
+        # preserve_rng_state=False: a chunk draws no random number, so its recompute needs no saved
+        # RNG state, and restoring one would rewind torch's global RNG under anyone sampling from
+        # it meanwhile (rollout.async's worker thread)
+        lp, ent = (checkpoint(_chunk_logprobs, *args, use_reentrant=False, preserve_rng_state=False)
+                   if grad else _chunk_logprobs(*args))
         logps.append(lp)
         ents.append(ent)
     logp = torch.cat(logps) if logps else h.new_zeros(0, dtype=torch.float32)  # [K]

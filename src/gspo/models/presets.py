@@ -222,10 +222,27 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
     tokenizer.save_pretrained(path)
 
 
-def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+def enable_activation_checkpointing(model: PreTrainedModel, dropout: bool = False) -> None:
     """Recompute decoder-layer activations in backward (non-reentrant torch checkpointing), in
-    training mode with gradients on; forwards without gradients run as usual, cache included."""
-    model.activation_checkpointing_enable({"use_reentrant": False})
+    training mode with gradients on; forwards without gradients run as usual, cache included.
+    torch's RNG state is saved for the recompute only when the layers draw dropout masks (the
+    model's own, or ``dropout``: adapters to be added with a dropout), which must repeat; otherwise
+    a recompute leaves the global RNG alone (a rollout worker thread samples from it)."""
+    preserve = dropout or dropout_rates(model) != {}
+    model.activation_checkpointing_enable({"use_reentrant": False, "preserve_rng_state": preserve})
+
+
+def dropout_rates(model: torch.nn.Module) -> dict[str, float]:
+    """The model's non-zero dropout rates, by name: ``nn.Dropout`` modules, and config fields
+    named *dropout* or *pdrop* (transformers attention applies its rate functionally). {}: its
+    training forward draws no random number."""
+    rates = {name: m.p for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Dropout) and m.p > 0}
+    config = getattr(model, "config", None)
+    for key, value in (vars(config) if config is not None else {}).items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
+            rates[f"config.{key}"] = value
+    return rates
 
 
 def count_parameters(model: torch.nn.Module) -> int:

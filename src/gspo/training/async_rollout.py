@@ -14,6 +14,7 @@ the update skips rows without signal, never the trainer. The hooks, all the loop
     source.publish(k + 1)                    # after step k's update and the guard's verdict
     source.save(folder, done)                # inside a checkpoint of ``done`` steps
     with source.rng_lock: evaluate(...)      # anything else that draws from torch's global RNG
+    source.settle()                          # block until the worker waits for new weights
     source.close()                           # at the end, however it ends: stop and join
 
 **Staleness, fixed.** The batch of step k is always sampled by the weights of version
@@ -29,7 +30,18 @@ can carry a gradient (``behaviour_rows``) under the weights it sampled with and 
 ``batch.extras["behaviour_logp"]``; the trainer takes them as π_old (and does not reuse its first
 minibatch's forward as π_old, which only holds on-policy). With ``train.old_logprobs: rollout``
 the generator's own log-probs are already π_v's. When k = v the trainer recomputes π_old itself,
-exactly as in the synchronous loop (docs/math.md, "Asynchronous rollouts").
+exactly as in the synchronous loop (docs/math.md, "Asynchronous rollouts"). With
+``rollout.async_ratio: decoupled`` the worker takes none: the trainer recomputes π_old under its
+own weights (the proximal policy) and ``train.rollout_correction`` weighs it against the sampler's
+log-probs, which are π_v's.
+
+**torch's global RNG is the worker's.** transformers ``generate`` samples from torch's global CPU
+generator (seeded per batch), which all threads share. So while the worker samples, the trainer
+must neither draw from it nor set it: the RL update draws nothing (no dropout: a policy with
+dropout is refused; activation checkpointing does not save and restore the RNG state,
+gspo.core.logprobs and gspo.models.presets), and anything else that does (evaluation) holds
+``rng_lock``. A checkpoint recompute that restored the RNG state mid-step rewound the worker's
+stream: the same seed then sampled other tokens, one run in a few (issue 18's resume race).
 
 Threads: ``torch.set_num_threads`` sets the calling thread's OpenMP pool size, so the worker sets
 its own (``run.threads``) when it starts; with 1 each side runs its ops on its own core. Neither
@@ -49,6 +61,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from gspo.errors import UserError
+from gspo.models.presets import dropout_rates
 from gspo.rollout.collect import Collector
 from gspo.training.passes import LogprobPasses
 
@@ -104,6 +118,9 @@ class SyncSource:
     def load(self, folder: Path) -> None:
         pass
 
+    def settle(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -113,13 +130,21 @@ class AsyncSource:
 
     def __init__(self, cfg, collector: Collector, passes: LogprobPasses, *, skip_rows: bool,
                  log=print):
+        rates = dropout_rates(collector.model)
+        if rates:
+            name, p = next(iter(rates.items()))
+            raise UserError(f"rollout.async=true cannot train a policy with dropout ({name}={p}): "
+                            "its masks would be drawn from the torch RNG the rollout worker samples "
+                            "from; set it to 0 or rollout.async=false")
         self.cfg, self.collector, self.passes = cfg, collector, passes
         self.skip_rows, self.log = skip_rows, log
         self.s = cfg.rollout.max_staleness
         self.rng_lock = threading.Lock()       # torch's global RNG: the worker's sampling vs eval
-        self._cond = threading.Condition()     # guards _weights and _stopping
+        self._cond = threading.Condition()     # guards _weights, _stopping, _awaiting, _done
         self._weights: dict[int, dict[str, torch.Tensor]] = {}   # version -> weights
         self._stopping = False
+        self._awaiting: int | None = None      # the version the worker is blocked on
+        self._done = False                     # the worker has returned
         self._ready: queue.Queue = queue.Queue()   # (step, version, collected, seconds) | exception
         self._thread: threading.Thread | None = None
         self.dropped = 0
@@ -181,6 +206,15 @@ class AsyncSource:
                 if match:
                     self._weights[int(match.group(1))] = load_file(str(path), device=device)
 
+    def settle(self) -> None:
+        """Block until the worker has made every batch it can with the weights published so far
+        (it waits for weights not yet published, or is done): a benchmark that times a stretch of
+        steps then leaves nothing running after it (the time is the stretch's, counted there)."""
+        with self._cond:
+            while self._thread is not None and not self._done and (
+                    self._awaiting is None or self._awaiting in self._weights):
+                self._cond.wait()
+
     def close(self) -> None:
         """Stop the worker (after the batch it is making, if any) and join it."""
         with self._cond:
@@ -237,12 +271,19 @@ class AsyncSource:
                 self._ready.put((k, v, collected, worker.cursor.state(), seconds))
         except BaseException as err:  # noqa: BLE001  the trainer raises it at its next batch
             self._ready.put(err)
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
 
     def _await(self, version: int):
         """(weights of ``version``, version) once published; (None, version) when stopping."""
         with self._cond:
+            self._awaiting = version
+            self._cond.notify_all()                       # (settle)
             while version not in self._weights and not self._stopping:
                 self._cond.wait()
+            self._awaiting = None
             return (None, version) if self._stopping else (self._weights[version], version)
 
     def behaviour_logp(self, passes: LogprobPasses, batch, rewards) -> None:
@@ -251,6 +292,8 @@ class AsyncSource:
         when the generator's log-probs are kept: the mismatch metrics and correction read them all)."""
         if batch is None or self.cfg.train.old_logprobs == "rollout":  # rollout: π_v's already
             return
+        if self.cfg.rollout.async_ratio == "decoupled":  # the sampler's log-probs (the correction
+            return       # asks for them) are π_v's; the trainer recomputes π_old = π_prox itself
         every_row = not self.skip_rows or batch.rollout_logp is not None  # mismatch reads them all
         rows = None if every_row else behaviour_rows(rewards, self.cfg.rollout.group_size)
         batch.extras["behaviour_logp"] = passes.old_logprobs(batch, rows)            # [N, T]

@@ -150,7 +150,8 @@ def prepare_policy(model, tokenizer, cfg: TrainConfig, run_dir: Path, on_main, i
     whose weights are saved once (by ``on_main``) as the adapters' base when no checkpoint holds
     them. Returns the policy to train (``info`` gets ``lora_base``)."""
     if cfg.train.activation_checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, dropout=cfg.model.lora is not None
+                                        and cfg.model.lora.dropout > 0)
     if cfg.model.lora is None:
         return model
     changed = cfg.sft.enabled and cfg.sft.steps > 0
