@@ -433,6 +433,8 @@ class TrainLoopConfig(Section):
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (transformers activation checkpointing, non-reentrant) during the RL update: less memory, about one extra forward of time; the update's forwards then do not share prompts (docs/lora-precision.md)."""
+    master_weights: Literal["model", "float32"] = "model"
+    """What AdamW steps: model (the parameters in model.dtype; bfloat16 rounds away updates below half a bfloat16 step of the weight) | float32 (a float32 master copy of every lower-precision parameter and float32 moments; forward, backward and gradients stay in model.dtype, each step writes the rounded masters back; float32 parameters are their own masters). The RL update only, not the cold-start SFT; not with dist.strategy=fsdp (docs/real-models.md)."""
     log_rollout_logprobs: bool = False
     """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
@@ -661,6 +663,9 @@ class TrainConfig(Section):
             raise ValueError("train.activation_checkpointing does not work with moe.routing_replay or "
                              "moe.aux_loss_coef yet (the backward's recomputation runs outside the "
                              "routing context): turn one of them off")
+        if self.train.master_weights == "float32" and self.dist.strategy == "fsdp":
+            raise ValueError("train.master_weights=float32 is not supported with dist.strategy=fsdp "
+                             "(the masters are not sharded); use ddp")
         if self.model.lora is not None and self.objective.name == "ppo":
             raise ValueError("model.lora is not supported with objective.name=ppo (its critic and "
                              "reference are copies of the whole policy); use a group-relative objective")
