@@ -18,6 +18,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gspo import tasks
 from gspo.training import lora
 from gspo.core import objectives
 from gspo.cli import main
@@ -25,6 +26,7 @@ from gspo.config import ConfigError, LoRAConfig, load_config
 from gspo.core.logprobs import response_logprobs
 from gspo.observe.metrics import read_metrics
 from gspo.models.presets import build_model, enable_activation_checkpointing, load_model
+from gspo.rollout.data import build_task, eval_examples
 from gspo.rollout.generate import SamplingParams, demonstration_batch, generate
 from gspo.training.trainer import Trainer
 from conftest import parity_rewards
@@ -281,6 +283,50 @@ def test_plain_transformers_and_peft_generate_what_gspo_eval_generates(lora_run,
     cold = AutoModelForCausalLM.from_pretrained(base).eval()
     with torch.no_grad():
         assert not torch.allclose(merged(**enc).logits, cold(**enc).logits, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def lora_chat_run(tmp_path_factory, small_config, reward_module):
+    """As ``lora_run``, with the BPE preset and chat prompts (ChatML, <|im_end|> the EOS)."""
+    root = tmp_path_factory.mktemp("lora_chat")
+    cfg = small_config(root, *LORA, parity_rewards(reward_module), "model.tokenizer=bpe",
+                       "task.chat=true", "sft.steps=40", "sft.lr=1e-2")
+    summary = Trainer(cfg, log=lambda m: None).run()
+    return dict(root=root, cfg=cfg, summary=summary)
+
+
+def test_a_bpe_chat_adapter_generates_in_plain_transformers_what_gspo_eval_generates(lora_chat_run):
+    """The BPE + chat + LoRA checkpoint with plain transformers + peft: the saved tokenizer's chat
+    template renders the prompts gspo trained on, its EOS is <|im_end|>, and greedy generation
+    stops there with the tokens gspo's eval path generates."""
+    cfg = lora_chat_run["cfg"]
+    ckpt = lora_chat_run["root"] / "run" / "checkpoints" / "step_000002"
+    base = json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"]
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), ckpt).eval()
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert tok.eos_token == "<|im_end|>"
+    ours_examples = eval_examples(build_task(cfg), cfg)            # rendered by gspo
+    raw = tasks.build(cfg.task.name, seed=cfg.seed, n_train=cfg.task.n_train, n_test=cfg.task.n_test,
+                      **cfg.task.params).split("test")[:len(ours_examples)]
+    texts = [tok.apply_chat_template([{"role": "user", "content": ex.prompt}], tokenize=False,
+                                     add_generation_prompt=True) for ex in raw]
+    assert texts == [ex.prompt for ex in ours_examples]
+    assert texts[0].startswith("<|im_start|>user\n") and texts[0].endswith("<|im_start|>assistant\n")
+    enc = tok(texts, return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        out = plain.generate(**enc, do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)
+    plain_tokens = out[:, enc["input_ids"].shape[1]:]
+    merged, merged_tok = load_model(ckpt)
+    ours = generate(merged, merged_tok, ours_examples, SamplingParams(max_new_tokens=8, greedy=True))
+    assert plain_tokens.shape[1] <= ours.response_ids.shape[1]
+    keep = ours.response_mask.bool()[:, :plain_tokens.shape[1]]
+    assert torch.equal(torch.where(keep, plain_tokens, -1),
+                       torch.where(keep, ours.response_ids[:, :plain_tokens.shape[1]], -1))
+    assert not ours.truncated.all()                                # some responses end at <|im_end|>
+    ends = ours.response_ids[~ours.truncated, (ours.lengths[~ours.truncated] - 1).long()]
+    assert (ends == tok.convert_tokens_to_ids("<|im_end|>")).all()
+    assert tok.batch_decode(plain_tokens, skip_special_tokens=True) == ours.completions
 
 
 def test_gspo_eval_reads_the_adapter_checkpoint(lora_run, capsys):

@@ -149,11 +149,11 @@ class ModelConfig(Section):
     tokenizer_vocab: int = Field(4096, ge=300)
     """bpe: the most tokens it may have (256 bytes + special tokens + merges); a small corpus stops earlier."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype (bfloat16 / float16: the weights and the optimizer state are kept in it; LoRA adapters stay float32). Logits are upcast to float32 before the log-softmax, and log-probs, ratios and the loss are always float32."""
+    """Parameter dtype (bfloat16 / float16: the weights and the optimizer state are kept in it, unless train.master_weights=float32; LoRA adapters stay float32). Logits are upcast to float32 before the log-softmax, and log-probs, ratios and the loss are always float32."""
     device: str = "auto"
     """cpu | cuda | cuda:N | auto (cuda when available)."""
     lora: LoRAConfig | None = None
-    """LoRA adapters through peft for RL (None: off, the whole model trains), e.g. {r: 16, alpha: 32, target_modules: all-linear}: only adapter weights train, checkpoints hold the adapter (adapter_config.json + adapter_model.safetensors), evaluation merges it, the KL reference is the base with the adapter disabled. The SFT cold start, when on, trains the whole model first (docs/lora-precision.md)."""
+    """LoRA adapters through peft for RL (None: off, the whole model trains), e.g. {r: 16, alpha: 32, target_modules: all-linear}: only adapter weights train, checkpoints hold the adapter (adapter_config.json + adapter_model.safetensors), evaluation merges it, the KL reference is the base with the adapter disabled. The SFT cold start, when on, trains the whole model first (docs/real-models.md)."""
 
     @field_validator("preset")
     @classmethod
@@ -436,7 +436,9 @@ class TrainLoopConfig(Section):
     logprob_chunk: int = Field(1024, ge=1)
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
     activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward instead of keeping them (transformers activation checkpointing, non-reentrant) during the RL update: less memory, about one extra forward of time; the update's forwards then do not share prompts (docs/lora-precision.md)."""
+    """Recompute each decoder layer's activations in backward instead of keeping them (transformers activation checkpointing, non-reentrant) during the RL update: less memory, about one extra forward of time; the update's forwards then do not share prompts (docs/real-models.md)."""
+    master_weights: Literal["model", "float32"] = "model"
+    """What AdamW steps: model (the parameters in model.dtype; bfloat16 rounds away updates below half a bfloat16 step of the weight) | float32 (a float32 master copy of every lower-precision parameter and float32 moments; forward, backward and gradients stay in model.dtype, each step writes the rounded masters back; float32 parameters are their own masters). The RL update only, not the cold-start SFT; not with dist.strategy=fsdp (docs/real-models.md)."""
     log_rollout_logprobs: bool = False
     """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
@@ -674,6 +676,9 @@ class TrainConfig(Section):
             raise ValueError("train.activation_checkpointing does not work with moe.routing_replay or "
                              "moe.aux_loss_coef yet (the backward's recomputation runs outside the "
                              "routing context): turn one of them off")
+        if self.train.master_weights == "float32" and self.dist.strategy == "fsdp":
+            raise ValueError("train.master_weights=float32 is not supported with dist.strategy=fsdp "
+                             "(the masters are not sharded); use ddp")
         if self.model.lora is not None and self.objective.name == "ppo":
             raise ValueError("model.lora is not supported with objective.name=ppo (its critic and "
                              "reference are copies of the whole policy); use a group-relative objective")

@@ -237,7 +237,7 @@ def check_distributed(cfg, world: int) -> None:
                         "job without torchrun (docs/distributed.md)")
     if cfg.model.lora is not None:
         raise UserError("model.lora: LoRA runs are single-process only for now; run without "
-                        "torchrun (docs/lora-precision.md)")
+                        "torchrun (docs/real-models.md)")
 
 
 # ------------------------------------------------------------------------------------ rewards

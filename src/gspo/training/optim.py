@@ -5,18 +5,27 @@ from __future__ import annotations
 import torch
 from transformers import get_scheduler
 
+from gspo.training.master_weights import MasterWeightsAdamW
+
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
 
 
+# train.master_weights -> the AdamW class: "model" steps the parameters in their own dtype,
+# "float32" float32 masters of them (gspo.training.master_weights)
+ADAMW = {"model": torch.optim.AdamW, "float32": MasterWeightsAdamW}
+
+
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
-                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+                    betas: tuple[float, float] = (0.9, 0.999), master_weights: str = "model"
+                    ) -> torch.optim.Optimizer:
     """AdamW; the fused kernel (one call for all parameters, ~4x faster than the per-tensor loop
     on the tiny presets, docs/performance.md) where torch has it for these parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
+    adamw = ADAMW[master_weights]
     try:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=True)
+        return adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=True)
     except (RuntimeError, ValueError):  # a device / dtype without the fused kernel
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+        return adamw(params, lr=lr, weight_decay=weight_decay, betas=betas)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int,

@@ -86,7 +86,8 @@ class Trainer:
             self.ref_model = self.model if lora.is_lora(self.model) else \
                 copy.deepcopy(self.model).eval().requires_grad_(False)
         self.dist.wrap(self.model, cfg.dist.strategy)  # rank 0's weights everywhere; fsdp: sharded
-        self.optimizer = build_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay)
+        self.optimizer = build_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay,
+                                         master_weights=cfg.train.master_weights)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.schedule, cfg.train.warmup_steps,
                                          cfg.train.steps * cfg.train.minibatches)
         self.cursor = DataCursor(len(self.train_set), cfg.seed)
