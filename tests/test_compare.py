@@ -101,6 +101,8 @@ def test_claim_verdicts_from_numbers():
     assert compare.claim_stability(grpo, gspo)[0] == "did not hold"
     assert compare.claim_clipping(gspo, grpo)[0] == "held"          # 200x more, and better
     assert compare.claim_clipping(grpo, gspo)[0] == "did not hold"  # clips less
+    on_policy = _variant([0.6, 0.62], clip=0.0)                     # M = 1: every ratio is 1
+    assert compare.claim_clipping(on_policy, on_policy)[0] == compare.NOT_APPLICABLE
     same = _variant([0.5, 0.6], clip=0.2)
     assert compare.claim_stability(same, _variant([0.5, 0.6], clip=0.2))[0] == compare.INCONCLUSIVE
     replay = _variant([0.6, 0.61], clip=0.001)

@@ -412,6 +412,7 @@ def collect(suite: Suite, runs: dict[str, list[Path]], chosen: dict[str, list[st
 # (sample std over seeds). With one seed there is no spread, and every comparison is inconclusive.
 
 INCONCLUSIVE = "inconclusive (difference within seed spread)"
+NOT_APPLICABLE = "not applicable (neither clipped a token: every ratio was 1, on-policy)"
 
 
 SPEED = {"better": "GSPO faster", "worse": "GSPO slower", "within": "within the seed spread"}
@@ -443,9 +444,11 @@ def claim_clipping(gspo: dict, grpo: dict) -> tuple[str, str]:
     factor = cg / cr if cg is not None and cr else float("inf") if cg else None
     acc = compare_means(g["final_accuracy"], r["final_accuracy"])
     more = factor is not None and factor >= CLIP_FACTOR
-    verdict = ("did not hold" if not more or acc == "worse" else
+    verdict = (NOT_APPLICABLE if not cg and not cr else
+               "did not hold" if not more or acc == "worse" else
                "held" if min(g["seeds"], r["seeds"]) > 1 else INCONCLUSIVE)
-    ftxt = "n/a" if factor is None else "GRPO clipped none" if factor == float("inf") else f"{factor:.1f}x"
+    ftxt = ("n/a" if factor is None or (not cg and not cr) else
+            "GRPO clipped none" if factor == float("inf") else f"{factor:.1f}x")
     return verdict, (f"clipped fraction of tokens {pm(g['clip_frac_tokens'], '.4f')} vs "
                      f"{pm(r['clip_frac_tokens'], '.4f')} ({ftxt}; 'far more' means >= "
                      f"{CLIP_FACTOR:.0f}x), final accuracy {pm(g['final_accuracy'])} vs "
