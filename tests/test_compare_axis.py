@@ -119,3 +119,31 @@ def test_swept_suite_end_to_end(tmp_path, monkeypatch):
     assert "## Sweep over length" in report and "| short | gspo |" in report
     for png in ("axis_best_accuracy", "axis_final_accuracy"):
         assert (out / "plots" / f"{png}.png").stat().st_size > 0
+
+
+def test_report_only_rewrites_from_finished_runs_and_names_a_missing_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    suite = {**SUITE, "axis": {**SUITE["axis"], "values": {"short": ["rollout.max_new_tokens=4"],
+                                                         "long": ["rollout.max_new_tokens=6"]}}}
+    argv = ["compare", str(_write(tmp_path, suite)), *TINY, "train.steps=1",
+            f"sft.cache_dir={tmp_path / 'cache'}", "--no-tune", "--seeds", "1", "--out", str(out)]
+    assert main(argv) == 0
+    (out / "report.md").unlink()
+    # a run written by older code lacks newer keys: only the keys both have must agree
+    cfg_file = out / "short" / "gspo" / "seed0" / "config.yaml"
+    cfg = yaml.safe_load(cfg_file.read_text())
+    del cfg["rollout"]["temperature"]
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    assert main([*argv, "--report-only"]) == 0
+    assert "## Sweep over length" in (out / "report.md").read_text()
+    cfg["rollout"]["max_new_tokens"] = 5                          # not this suite's run any more
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    capsys.readouterr()
+    assert main([*argv, "--report-only"]) == 2
+    assert "short/gspo seed 0: " in capsys.readouterr().err
+    (out / "long" / "grpo" / "seed0" / "summary.json").unlink()
+    cfg_file.unlink()
+    (out / "short" / "gspo" / "seed0" / "summary.json").unlink()
+    assert main([*argv, "--report-only"]) == 2
+    assert "has not finished" in capsys.readouterr().err

@@ -173,7 +173,7 @@ def cmd_compare(args) -> int:
         raise UserError(f"--jobs and --seeds must be >= 1, got {args.jobs}, {args.seeds}")
     out = run_suite(args.suite, seeds=args.seeds, quick=args.quick, out=args.out,
                     extra=args.extra, only=only, tune=not args.no_tune, jobs=args.jobs,
-                    allow_mixed_commits=args.allow_mixed_commits)
+                    allow_mixed_commits=args.allow_mixed_commits, report_only=args.report_only)
     print(f"comparison: {out}/report.md  ({out}/results.json, {out}/plots/)")
     return 0
 
@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-mixed-commits", action="store_true",
                    help="tabulate runs made by different code (git commit or uncommitted changes); "
                         "refused by default")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: rewrite results.json, report.md and plots from the finished "
+                        "runs (e.g. after a change to the report code)")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("audit", help="recompute the recorded steps of a run (audit.every=K)",
                        description="Reload π_old / π_new of recorded steps and recompute old "

@@ -193,6 +193,27 @@ def _finished(cfg: TrainConfig) -> bool:
     return yaml.safe_load((run_dir / "config.yaml").read_text()) == cfg.model_dump(mode="json")
 
 
+def _agree(old, new) -> bool:
+    """The keys both configs have hold equal values (a run written by older code lacks newer keys,
+    which then hold their defaults)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return all(_agree(old[k], new[k]) for k in old.keys() & new.keys())
+    return old == new
+
+
+def require_finished(runs: dict[str, TrainConfig]) -> None:
+    """--report-only: every run has finished, and its config agrees with the resolved one on every
+    key both have; else one UserError naming the first that does not."""
+    for label, cfg in runs.items():
+        run_dir = Path(cfg.run.dir)
+        if not (run_dir / "summary.json").is_file():
+            raise UserError(f"compare --report-only: {label} has not finished ({run_dir}); run "
+                            "the suite without --report-only")
+        if not _agree(yaml.safe_load((run_dir / "config.yaml").read_text()), cfg.model_dump(mode="json")):
+            raise UserError(f"compare --report-only: {label}: {run_dir}/config.yaml is not the "
+                            "suite's config for that run")
+
+
 def _command(kind: str, config_file: Path) -> list[str]:
     """The command line of one job: ``gspo sft`` (the cold start only) or ``gspo train``."""
     return [sys.executable, "-m", "gspo.cli", "sft" if kind == "cold_start" else "train", str(config_file)]
@@ -298,9 +319,11 @@ def choose(scores: list[dict]) -> int:
 def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
               out: str | Path | None = None, extra: list[str] = (),
               only: list[str] | None = None, tune: bool = True, jobs: int = 1,
-              allow_mixed_commits: bool = False, log: Callable[[str], None] | None = None) -> Path:
+              allow_mixed_commits: bool = False, report_only: bool = False,
+              log: Callable[[str], None] | None = None) -> Path:
     """Tune (validation split), train every variant x seed (reusing finished runs), then write
-    results and report. Runs made by different code (``gspo.training.provenance.code_id``) are
+    results and report. ``report_only``: train nothing, write them from the finished runs (which
+    may come from older code; see ``require_finished``). Runs made by different code (``gspo.training.provenance.code_id``) are
     refused unless ``allow_mixed_commits``."""
     log = log or (lambda m: print(m, file=sys.stderr))
     suite_file = Path(suite_file)
@@ -324,12 +347,14 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
     for v in variants:  # every test config validates before the first run (with any candidate)
         for cand in suite.tune.grid.get(source[v.name], [[]]) if tune else [[]]:
             config(v, 0, chosen=cand)
-    provenance.write(out, provenance.collect(command="compare", extra={"suite": {
-        "file": str(suite_file), "sha256": hashlib.sha256(suite_file.read_bytes()).hexdigest(),
-        "seeds": seeds, "quick": quick, "extra": list(extra), "tune": tune,
-        "variants": [v.name for v in variants]}}))
-    train_all({f"tune {n} candidate {i} seed {k}": c for (n, i, k), c in grid.items()}, jobs, log,
-              out / "logs")
+    if not report_only:  # the suite's own record stays that of the command that trained it
+        provenance.write(out, provenance.collect(command="compare", extra={"suite": {
+            "file": str(suite_file), "sha256": hashlib.sha256(suite_file.read_bytes()).hexdigest(),
+            "seeds": seeds, "quick": quick, "extra": list(extra), "tune": tune,
+            "variants": [v.name for v in variants]}}))
+    train = (lambda runs, *_: require_finished(runs)) if report_only else train_all
+    train({f"tune {n} candidate {i} seed {k}": c for (n, i, k), c in grid.items()}, jobs, log,
+          out / "logs")
     tuning, chosen = {}, {}
     for v in tuned:
         scores = tune_scores(suite, {i: [Path(grid[v.name, i, k].run.dir) for k in range(suite.tune.seeds)]
@@ -343,7 +368,7 @@ def run_suite(suite_file: str | Path, *, seeds: int = 3, quick: bool = False,
             f"{scores[best]['score']:.3f})")
     chosen = {v.name: chosen[source[v.name]] for v in variants if source[v.name] in chosen}
     configs = {(v.name, k): config(v, k, chosen=chosen.get(v.name, [])) for v in variants for k in range(seeds)}
-    train_all({f"{n} seed {k}": c for (n, k), c in configs.items()}, jobs, log, out / "logs")
+    train({f"{n} seed {k}": c for (n, k), c in configs.items()}, jobs, log, out / "logs")
     runs = {v.name: [Path(configs[v.name, k].run.dir) for k in range(seeds)] for v in variants}
     code = one_code({**{f"tune {n} candidate {i} seed {k}": Path(c.run.dir)
                         for (n, i, k), c in grid.items()},
