@@ -6,6 +6,7 @@ worker, and what it cannot serve is refused in one line.
 All runs: tiny-dense, no SFT, the first-character-parity reward (a signal in most groups), one
 torch thread per side (conftest's run.threads default), on CPU."""
 
+import contextlib
 import copy
 import shutil
 import threading
@@ -61,13 +62,10 @@ def test_staleness_zero_reproduces_the_synchronous_run(make_cfg, reward_module):
     assert not _worker_threads()                          # joined at the end
 
 
-@pytest.fixture(scope="module")
-def stale(tmp_path_factory, small_config, reward_module):
-    """One s = 1 run, its batches recorded as the trainer got them."""
-    root = tmp_path_factory.mktemp("stale")
-    make_cfg = lambda *o, run="run": small_config(root, *o, run=run)  # noqa: E731
-    seen = {}
-    original = async_rollout.AsyncSource.collect
+@contextlib.contextmanager
+def recorded_batches():
+    """{step: the batch the trainer got} while the block runs (AsyncSource.collect wrapped)."""
+    seen, original = {}, async_rollout.AsyncSource.collect
 
     def recording(self, step):
         out = original(self, step)
@@ -75,9 +73,18 @@ def stale(tmp_path_factory, small_config, reward_module):
         return out
     async_rollout.AsyncSource.collect = recording
     try:
-        run = _run(make_cfg, reward_module, "rollout.async=true", "rollout.max_staleness=1")
+        yield seen
     finally:
         async_rollout.AsyncSource.collect = original
+
+
+@pytest.fixture(scope="module")
+def stale(tmp_path_factory, small_config, reward_module):
+    """One s = 1 run, its batches recorded as the trainer got them."""
+    root = tmp_path_factory.mktemp("stale")
+    make_cfg = lambda *o, run="run": small_config(root, *o, run=run)  # noqa: E731
+    with recorded_batches() as seen:
+        run = _run(make_cfg, reward_module, "rollout.async=true", "rollout.max_staleness=1")
     return SimpleNamespace(root=root, make_cfg=make_cfg, run=run, seen=seen, reward=reward_module,
                            rows=read_metrics(run))
 
@@ -257,19 +264,10 @@ def test_decoupled_takes_pi_old_from_the_trainer_and_weighs_it_to_the_sampler(tm
     the stale batch 2 is its own weights after step 2 (the proximal policy), so mismatch/kl of
     step 3 is KL(π_v ‖ π_prox) from the sampler's log-probs and that checkpoint's, not the
     float noise of the on-policy step 1."""
-    seen, original = {}, async_rollout.AsyncSource.collect
-
-    def recording(self, step):
-        out = original(self, step)
-        seen[step] = out[0]
-        return out
-    async_rollout.AsyncSource.collect = recording
-    try:
+    with recorded_batches() as seen:
         run = _run(lambda *o, run="run": small_config(tmp_path, *o, run=run), reward_module,
                    "rollout.async=true", "rollout.max_staleness=1", "rollout.async_ratio=decoupled",
                    "train.rollout_correction.mode=tis")
-    finally:
-        async_rollout.AsyncSource.collect = original
     rows = read_metrics(run)[1:]
     assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
     batch = seen[2]
