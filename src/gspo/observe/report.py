@@ -39,6 +39,13 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def save_figure(fig, path: Path, dpi: int = 90) -> None:
+    """Lay out, write and release a matplotlib figure (pyplot keeps every open figure alive)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def plot_panel(rows: list[dict], key: str, title: str, path: Path) -> bool:
     xs, ys = series(rows, key)
     if not xs:
@@ -48,9 +55,7 @@ def plot_panel(rows: list[dict], key: str, title: str, path: Path) -> bool:
     ax.set_title(title)
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

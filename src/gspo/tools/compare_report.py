@@ -15,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from gspo.observe.metrics import read_metrics  # noqa: E402
+from gspo.observe.report import save_figure  # noqa: E402
 from gspo.tools.compare_stats import pm  # noqa: E402
 
 # (metric key, title, log y); a panel is drawn only when some run logged the metric.
@@ -72,17 +73,17 @@ def plot_metric(runs: dict[str, list[list[dict]]], key: str, title: str, path: P
         drawn = True
         (line,) = ax.plot(xs, mean, label=name, lw=1.5, marker="o" if len(xs) < 30 else None, ms=3)
         ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
-    if drawn:
-        ax.set_title(title + " (mean, min-max over seeds)", fontsize=9)
-        ax.set_xlabel("training seconds (evaluation excluded)" if wall else "RL step")
-        if log:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return drawn
+    if not drawn:
+        plt.close(fig)
+        return False
+    ax.set_title(title + " (mean, min-max over seeds)", fontsize=9)
+    ax.set_xlabel("training seconds (evaluation excluded)" if wall else "RL step")
+    if log:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+    return True
 
 
 def _cell(stat: dict, fmt: str = ".3f") -> str:
@@ -214,9 +215,7 @@ def plot_axis(axis: dict, key: str, ylabel: str, path: Path, *, log: bool = Fals
     if log:
         ax.set_yscale("log")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return True
 
 
