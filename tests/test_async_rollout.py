@@ -340,3 +340,19 @@ def test_a_bfloat16_sampler_with_correction_is_corrected_against_the_behaviour_p
 def test_a_misspelt_key_is_told_the_yaml_name():
     with pytest.raises(ConfigError, match="did you mean 'async'"):
         load_config(None, ["rollout.asyn=true"])
+
+
+@pytest.mark.parametrize("overrides, hinted", [
+    (["objective.name=gspo"], True),
+    (["objective.name=luspo", "rollout.max_staleness=2"], True),
+    (["objective.name=grpo"], False),                          # token-level: within the spread
+    (["objective.name=gspo", "rollout.max_staleness=0"], False),   # never stale
+    (["objective.name=gspo", "rollout.async_ratio=decoupled",
+      "train.rollout_correction.mode=seq_tis"], False),       # already the remedy
+])
+def test_a_stale_sequence_level_ratio_points_to_the_decoupled_form(overrides, hinted):
+    hint = async_rollout.staleness_hint(load_config(None, ["rollout.async=true", *overrides]))
+    assert (hint is not None) == hinted
+    if hinted:
+        assert "rollout.async_ratio=decoupled" in hint and "\n" not in hint
+    assert async_rollout.staleness_hint(load_config(None, overrides[:1])) is None   # synchronous
