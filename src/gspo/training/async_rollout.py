@@ -101,8 +101,8 @@ def staleness_hint(cfg) -> str | None:
             or not objectives.spec(name).sequence_level):
         return None
     return (f"rollout.async: {name} clips its sequence ratio against the policy that sampled the "
-            f"batch, up to {cfg.rollout.max_staleness} step(s) old; on the default job that clipped "
-            "0.42 of the tokens instead of 0.33 and lost 0.08 held-out accuracy at s=1, and "
+            f"batch, up to {cfg.rollout.max_staleness} step(s) old; for gspo on the default job at s=1 "
+            "that clipped 0.42 of the tokens instead of 0.33 and lost 0.08 held-out accuracy, and "
             "rollout.async_ratio=decoupled train.rollout_correction.mode=seq_tis did not "
             "(docs/performance.md)")
 
