@@ -10,6 +10,8 @@ the ratios of a pair, not the absolute seconds, and the load average printed bes
     python benchmarks/async_throughput.py                     # default job, 3 pairs of 30 steps
     python benchmarks/async_throughput.py --pairs 6 --steps 30 --config configs/default.yaml \
         --set rollout.max_staleness=1
+    python benchmarks/async_throughput.py --async-set rollout.async_ratio=decoupled \
+        --async-set train.rollout_correction.mode=seq_tis       # the decoupled ratio's cost
 
 The cold start is cached (runs/.sft-cache), so a first run trains it once before timing.
 """
@@ -58,6 +60,8 @@ def main(argv=None) -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for both variants (repeatable)")
+    parser.add_argument("--async-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for the asynchronous variant only (repeatable)")
     parser.add_argument("--json", help="write every pair's figures here")
     args = parser.parse_args(argv)
     pairs = []
@@ -65,7 +69,8 @@ def main(argv=None) -> None:
         for i in range(args.pairs):
             load = os.getloadavg()[0]
             sync = run_once(args.config, args.steps, False, args.set, Path(tmp) / str(i))
-            asyn = run_once(args.config, args.steps, True, args.set, Path(tmp) / str(i))
+            asyn = run_once(args.config, args.steps, True, args.set + args.async_set,
+                            Path(tmp) / str(i))
             pairs.append({"load": load, "sync": sync, "async": asyn,
                           "ratio": asyn["steps_per_s"] / sync["steps_per_s"]})
             print(f"pair {i + 1}: load {load:.1f}  sync {sync['steps_per_s']:.3f} steps/s "
