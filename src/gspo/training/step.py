@@ -116,7 +116,9 @@ class RLStep:
         advantages = self.algorithm.advantages(batch, rewards)
         # 3. π_old's log-probs [N, T] of the rows the update plan needs
         plan = self.plan(batch, advantages, step)
-        rows = None if batch.rollout_logp is not None else plan.old_rows  # mismatch reads them all
+        # the sampler's log-probs: mismatch and correction read every row (named, so that each
+        # prompt is forwarded once, as in the plan's own rows)
+        rows = torch.arange(len(advantages)) if batch.rollout_logp is not None else plan.old_rows
         with timer.section("old_logprobs"):
             old_logp = self.old_logprobs(batch, rows)
         if batch.rollout_logp is not None:
