@@ -185,12 +185,16 @@ def resolve(suite: Suite, suite_file: Path, variant: Variant, seed: int, out: Pa
 
 # --------------------------------------------------------------------------------- running
 
+def _recorded_config(run_dir: Path) -> dict | None:
+    """The config.yaml of a finished run (summary.json written); None if either file is missing."""
+    if not (run_dir / "summary.json").is_file() or not (run_dir / "config.yaml").is_file():
+        return None
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
 def _finished(cfg: TrainConfig) -> bool:
     """summary.json exists and config.yaml is this very config: the run can be reused."""
-    run_dir = Path(cfg.run.dir)
-    if not (run_dir / "summary.json").is_file() or not (run_dir / "config.yaml").is_file():
-        return False
-    return yaml.safe_load((run_dir / "config.yaml").read_text()) == cfg.model_dump(mode="json")
+    return _recorded_config(Path(cfg.run.dir)) == cfg.model_dump(mode="json")
 
 
 def _agree(old, new) -> bool:
@@ -206,10 +210,11 @@ def require_finished(runs: dict[str, TrainConfig]) -> None:
     key both have; else one UserError naming the first that does not."""
     for label, cfg in runs.items():
         run_dir = Path(cfg.run.dir)
-        if not (run_dir / "summary.json").is_file():
+        recorded = _recorded_config(run_dir)
+        if recorded is None:
             raise UserError(f"compare --report-only: {label} has not finished ({run_dir}); run "
                             "the suite without --report-only")
-        if not _agree(yaml.safe_load((run_dir / "config.yaml").read_text()), cfg.model_dump(mode="json")):
+        if not _agree(recorded, cfg.model_dump(mode="json")):
             raise UserError(f"compare --report-only: {label}: {run_dir}/config.yaml is not the "
                             "suite's config for that run")
 
@@ -472,8 +477,7 @@ def claim_clipping(gspo: dict, grpo: dict) -> tuple[str, str]:
     verdict = (NOT_APPLICABLE if not cg and not cr else
                "did not hold" if not more or acc == "worse" else
                "held" if min(g["seeds"], r["seeds"]) > 1 else INCONCLUSIVE)
-    ftxt = ("n/a" if factor is None or (not cg and not cr) else
-            "GRPO clipped none" if factor == float("inf") else f"{factor:.1f}x")
+    ftxt = "n/a" if factor is None else "GRPO clipped none" if factor == float("inf") else f"{factor:.1f}x"
     return verdict, (f"clipped fraction of tokens {pm(g['clip_frac_tokens'], '.4f')} vs "
                      f"{pm(r['clip_frac_tokens'], '.4f')} ({ftxt}; 'far more' means >= "
                      f"{CLIP_FACTOR:.0f}x), final accuracy {pm(g['final_accuracy'])} vs "
