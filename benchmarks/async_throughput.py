@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from gspo.observe.metrics import read_metrics  # noqa: E402
 
 
 def run_once(config: str, steps: int, asynchronous: bool, extra: list[str], folder: Path) -> dict:
@@ -45,8 +47,7 @@ def run_once(config: str, steps: int, asynchronous: bool, extra: list[str], fold
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "time/step_s" in r][1:]                     # steps 2..N
+    rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]    # steps 2..N
     times = [r["time/step_s"] for r in rows]
     keys = sorted({k for r in rows for k in r if k.startswith(("time/", "async/")) and k.endswith("_s")})
     mean = {k: statistics.fmean(r.get(k, 0.0) for r in rows) for k in keys}
