@@ -8,6 +8,7 @@ torch thread per side (conftest's run.threads default), on CPU."""
 
 import contextlib
 import copy
+import multiprocessing
 import shutil
 import threading
 from types import SimpleNamespace
@@ -46,12 +47,16 @@ def _weights(run_dir, step):
 
 
 def _worker_threads():
-    return [t for t in threading.enumerate() if t.name == "gspo-rollout"]
+    """Rollout workers still running: threads, or child processes (the default)."""
+    return ([t for t in threading.enumerate() if t.name == "gspo-rollout"]
+            + [p for p in multiprocessing.active_children() if p.name == "gspo-rollout"])
 
 
-def test_staleness_zero_reproduces_the_synchronous_run(make_cfg, reward_module):
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_staleness_zero_reproduces_the_synchronous_run(make_cfg, reward_module, kind):
     sync = _run(make_cfg, reward_module, run="sync")
-    lock = _run(make_cfg, reward_module, "rollout.async=true", "rollout.max_staleness=0", run="s0")
+    lock = _run(make_cfg, reward_module, "rollout.async=true", "rollout.max_staleness=0",
+                f"rollout.async_worker={kind}", run="s0")
     a, b = read_metrics(sync), read_metrics(lock)
     assert _strip(a) == _strip(b)
     assert [r["async/staleness"] for r in b[1:]] == [0.0, 0.0, 0.0]
@@ -160,22 +165,58 @@ def test_a_stop_saves_and_joins_the_worker(make_cfg, reward_module):
     assert [r["step"] for r in read_metrics(trainer.run_dir)] == [0, 1, 2]
 
 
-def test_settle_returns_once_the_worker_waits_for_new_weights(fresh, monkeypatch):
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_settle_returns_once_the_worker_waits_for_new_weights(fresh, kind):
     """After step 0 and the weights of version 1, the worker can make batches 1 (version 0) and 2
-    (version 1), then must wait for version 2: settle returns only then."""
-    made, collect = [], async_rollout.Collector.collect
-
-    def counted(self, step):
-        out = collect(self, step)
-        made.append(step)
-        return out
-    monkeypatch.setattr(async_rollout.Collector, "collect", counted)
-    t = fresh("rollout.async=true", "rollout.max_staleness=1", "train.steps=4")
+    (version 1), then must wait for version 2: settle returns once it has both, not before."""
+    t = fresh("rollout.async=true", "rollout.max_staleness=1", "train.steps=4",
+              f"rollout.async_worker={kind}")
     try:
         t.step(0)
         t.rollouts.publish(1)
         t.rollouts.settle()
-        assert made == [0, 1, 2]
+        assert t.rollouts.ready_steps == [1, 2]
+        t.rollouts.settle()                        # nothing more can come: returns at once
+        assert t.rollouts.ready_steps == [1, 2]
+    finally:
+        t.rollouts.close()
+    assert not _worker_threads()
+
+
+def test_the_process_worker_runs_the_thread_workers_run(stale, make_cfg, reward_module):
+    """Same seed, same run, whichever side of a process boundary the worker is: metrics and
+    weights equal (both on this CPU). A worker whose policy aliased the trainer's parameters
+    (shared memory) would sample and score with weights the trainer is updating, and differ."""
+    thread = _run(make_cfg, reward_module, "rollout.async=true", "rollout.max_staleness=1",
+                  "rollout.async_worker=thread", run="thread")
+    assert _strip(read_metrics(thread)) == _strip(stale.rows)
+    for step in (1, 2, 3):
+        a, b = _weights(thread, step), _weights(stale.run, step)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_failing_worker_raises_its_error_in_the_trainer(fresh, reward_dir):
+    """An exception in the worker process reaches the trainer at its next batch, with the
+    worker's traceback as a note; a worker that dies is a RuntimeError that says so."""
+    (reward_dir / "gspo_failing_reward.py").write_text(
+        "def broken(completion, **row):\n    raise ZeroDivisionError('no reward today')\n")
+    t = fresh("rollout.async=true", "rewards.sources=[{type: function, fn: 'gspo_failing_reward:broken'}]",
+              "rewards.on_error=fail")
+    try:
+        with pytest.raises(Exception, match="no reward today") as err:
+            t.step(0)
+        assert any("in the rollout worker process" in note for note in err.value.__notes__)
+    finally:
+        t.rollouts.close()
+        t.run_lock.release()
+    t = fresh("rollout.async=true", "rollout.max_staleness=1", "train.steps=4")
+    try:
+        t.step(0)
+        t.rollouts.worker._proc.kill()
+        t.rollouts.publish(1)
+        with pytest.raises(RuntimeError, match="worker process ended"):
+            t.step(1)
+            t.step(2)
     finally:
         t.rollouts.close()
     assert not _worker_threads()

@@ -262,7 +262,9 @@ class RolloutConfig(Section):
     engine_sleep: bool = True
     """Free the engine's memory for the training update: after a step's generation the engine sleeps (vllm on CUDA: vLLM's sleep mode, level 1: its weights offloaded to host memory, its KV cache dropped), and it wakes before the next generation, before the weight sync. On by default; a no-op where the engine holds nothing to free (hf) or has no sleep mode (vllm on a CPU). false: the engine keeps its memory (vllm is then built without sleep mode)."""
     async_: bool = Field(False, alias="async")
-    """rollout.async: generate, score and take π_old of the next batches in a worker thread with its own copy of the policy while the trainer trains on this one (gspo.async_rollout, docs/performance.md). The batch of step k is sampled by the weights after step k - max_staleness, always (so runs are reproducible and resume exactly); one torch thread per side on CPU."""
+    """rollout.async: generate, score and take π_old of the next batches in a worker (rollout.async_worker) with its own copy of the policy while the trainer trains on this one (gspo.async_rollout, docs/performance.md). The batch of step k is sampled by the weights after step k - max_staleness, always (so runs are reproducible and resume exactly); run.threads torch threads per side on CPU."""
+    async_worker: Literal["process", "thread"] = "process"
+    """With rollout.async, where the worker runs: process (a child process of its own, started once: no interpreter lock or RNG shared with the trainer; weights go to it after every step, batches come back, through shared memory) | thread (a thread of this process: no start-up, but both sides contend for the interpreter lock, which on a small model costs a quarter of the overlap, docs/performance.md)."""
     max_staleness: int = Field(1, ge=0)
     """With rollout.async: s, how many RL steps the sampling policy of a batch may lag the policy trained on it (its ratio is taken against that behaviour policy, docs/math.md). 0 runs in lockstep and reproduces the synchronous run exactly."""
     async_ratio: Literal["behaviour", "decoupled"] = "behaviour"

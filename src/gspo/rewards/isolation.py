@@ -89,6 +89,11 @@ class TimedCaller:
         self.timeout_s, self.max_hung, self.hung = timeout_s, max_hung, 0
         self._jobs: queue.SimpleQueue | None = None
 
+    def __getstate__(self) -> dict:
+        """Pickled without its worker thread (the copy starts its own on first use): an
+        asynchronous rollout worker process gets the task's caller this way."""
+        return {**self.__dict__, "_jobs": None}
+
     def __call__(self, fn, *args, **kwargs):
         if not self.timeout_s:
             return fn(*args, **kwargs)

@@ -1,9 +1,11 @@
 """Where the RL loop gets the batch of each step: in the loop (synchronous) or ahead of it.
 
 ``rollout.async: false`` (``SyncSource``): the batch of step k is ``collector.collect(k)``, as it
-always was. ``rollout.async: true`` (``AsyncSource``): a worker thread with its own copy of the
-policy generates, scores and (when the batch is stale) takes the old log-probs of batches k+1..
-while the trainer trains on batch k.
+always was. ``rollout.async: true`` (``AsyncSource``): a worker with its own copy of the policy
+generates, scores and (when the batch is stale) takes the old log-probs of batches k+1.. while
+the trainer trains on batch k. The worker is a child process (``rollout.async_worker: process``,
+the default: ``ProcessWorker``) or a thread of this process (``thread``: ``ThreadWorker``); both
+run the same loop, ``make_batches``.
 
 It is handed the ``Collector`` (gspo.rollout.collect), the policy's ``LogprobPasses`` and whether
 the update skips rows without signal, never the trainer. The hooks, all the loop knows of it::
@@ -19,11 +21,11 @@ the update skips rows without signal, never the trainer. The hooks, all the loop
 
 **Staleness, fixed.** The batch of step k is always sampled by the weights of version
 ``max(0, k - s)`` (version j = the weights after j RL steps, s = ``rollout.max_staleness``): the
-worker waits for that version, never takes a fresher one. So a run does not depend on thread
-timing (same seed, same run, as the synchronous loop), a resume can regenerate the batches in
-flight exactly, and no batch is ever more than s steps old: ``async/dropped_batches`` counts
-batches discarded for staleness and is 0 by construction. With s = 0 the worker samples batch k
-after step k-1, in lockstep: the synchronous run, op for op.
+worker waits for that version, never takes a fresher one. So a run does not depend on timing
+(same seed, same run, as the synchronous loop), a resume can regenerate the batches in flight
+exactly, and no batch is ever more than s steps old: ``async/dropped_batches`` counts batches
+discarded for staleness and is 0 by construction. With s = 0 the worker samples batch k after
+step k-1, in lockstep: the synchronous run, op for op.
 
 **π_old is the behaviour policy.** When k - v > 0 the worker computes log π_v of the rows that
 can carry a gradient (``behaviour_rows``) under the weights it sampled with and hands them in
@@ -35,28 +37,43 @@ exactly as in the synchronous loop (docs/math.md, "Asynchronous rollouts"). With
 own weights (the proximal policy) and ``train.rollout_correction`` weighs it against the sampler's
 log-probs, which are π_v's.
 
-**torch's global RNG is the worker's.** transformers ``generate`` samples from torch's global CPU
-generator (seeded per batch), which all threads share. So while the worker samples, the trainer
-must neither draw from it nor set it: the RL update draws nothing (no dropout: a policy with
-dropout is refused; activation checkpointing does not save and restore the RNG state,
+**The process worker** is started once, at the first batch, from a fork server that has already
+imported this module (start-up in a fraction of a second after the first), and is handed a copy of
+the collector's parts (its rewards are built again from the config: they may hold threads). Each
+published version goes to it through a queue, each batch comes back through another, pickled
+(tensors as bytes: a few milliseconds for the tiny presets' weights). It has its own interpreter, so neither side waits for the
+other's Python, and its own torch RNG, so nothing needs ``rng_lock``. It ignores SIGINT/SIGTERM
+(the trainer saves and then stops it) and exits when the trainer's process is gone.
+
+**The thread worker shares torch's global RNG.** transformers ``generate`` samples from torch's
+global CPU generator (seeded per batch), which all threads share. So while the worker samples, the
+trainer must neither draw from it nor set it: the RL update draws nothing (no dropout: a policy
+with dropout is refused; activation checkpointing does not save and restore the RNG state,
 gspo.core.logprobs and gspo.models.presets), and anything else that does (evaluation) holds
 ``rng_lock``. A checkpoint recompute that restored the RNG state mid-step rewound the worker's
 stream: the same seed then sampled other tokens, one run in a few (issue 18's resume race).
 
-Threads: ``torch.set_num_threads`` sets the calling thread's OpenMP pool size, so the worker sets
-its own (``run.threads``) when it starts; with 1 each side runs its ops on its own core. Neither
-side polls: the trainer blocks on a queue, the worker on a condition variable.
+Threads: ``torch.set_num_threads`` sets the calling thread's OpenMP pool size (a process's, in
+the child), so the worker sets its own (``run.threads``) when it starts; with 1 each side runs its
+ops on its own core. Neither side polls: each blocks on a queue or a condition variable.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import multiprocessing
+import os
+import pickle
 import queue
 import re
+import signal
 import threading
 import time
+import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -64,11 +81,15 @@ from safetensors.torch import load_file, save_file
 from gspo.core import objectives
 from gspo.errors import UserError
 from gspo.models.presets import dropout_rates
+from gspo.rewards.isolation import isolated_rewards
 from gspo.rollout.collect import Collector
 from gspo.training.passes import LogprobPasses
 
 BEHAVIOUR_FILE = "behaviour-{version}.safetensors"
 """Checkpoint file of the weights of ``version`` that a batch still in flight was sampled by."""
+
+DONE = "done"
+"""What a worker puts on its queue last, however its loop ended."""
 
 
 def build_source(cfg, collector: Collector, passes: LogprobPasses, *, skip_rows: bool,
@@ -107,9 +128,10 @@ def staleness_hint(cfg) -> str | None:
             "(docs/performance.md)")
 
 
-def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the weights (one tensor per name, no shared storage: safetensors can write it)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def snapshot(model: torch.nn.Module, device: str | None = None) -> dict[str, torch.Tensor]:
+    """A copy of the weights (one tensor per name, no shared storage: safetensors can write it),
+    on ``device`` (None: where they are)."""
+    return {k: v.detach().to(device, copy=True) for k, v in model.state_dict().items()}
 
 
 class SyncSource:
@@ -141,8 +163,51 @@ class SyncSource:
         pass
 
 
+# ---------------------------------------------------------------------------- the worker's loop
+def make_batches(cfg, worker: Collector, passes: LogprobPasses, step: int, *, skip_rows: bool,
+                 await_weights: Callable[[int], dict | None], put: Callable, rng_lock) -> None:
+    """The worker's loop, either kind: for k = step.., wait for the weights of version
+    max(0, k - s) (``await_weights``; None: stop), load them, collect batch k, take its behaviour
+    log-probs when stale, and ``put`` (k, v, collected, the data cursor after it, seconds)."""
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)     # this thread's pool (module docstring)
+    version = None
+    for k in range(step, cfg.train.steps):
+        v = behaviour_version(k, cfg.rollout.max_staleness)
+        t0 = time.perf_counter()
+        weights = await_weights(v)
+        waited = time.perf_counter() - t0
+        if weights is None:                        # stopping
+            return
+        if v != version:
+            worker.model.load_state_dict(weights)
+            version = v
+        with rng_lock:
+            collected = worker.collect(k)
+        t0 = time.perf_counter()
+        if k > v:
+            behaviour_logp(cfg, skip_rows, passes, *collected[:2])
+        seconds = {"async/worker_old_logprobs_s": time.perf_counter() - t0,
+                   "async/wait_s/worker": waited}
+        put((k, v, collected, worker.cursor.state(), seconds))
+
+
+def behaviour_logp(cfg, skip_rows: bool, passes: LogprobPasses, batch, rewards) -> None:
+    """π_old of a stale batch under the weights that sampled it (the worker's ``passes``), for
+    the rows that may carry a gradient (all rows when the trainer would forward every row, or
+    when the generator's log-probs are kept: the mismatch metrics and correction read them all)."""
+    if batch is None or cfg.train.old_logprobs == "rollout":   # rollout: π_v's already
+        return
+    if cfg.rollout.async_ratio == "decoupled":  # the sampler's log-probs (the correction asks
+        return       # for them) are π_v's; the trainer recomputes π_old = π_prox itself
+    every_row = not skip_rows or batch.rollout_logp is not None   # mismatch reads them all
+    rows = None if every_row else behaviour_rows(rewards, cfg.rollout.group_size)
+    batch.extras["behaviour_logp"] = passes.old_logprobs(batch, rows)            # [N, T]
+
+
+# ---------------------------------------------------------------------------- the trainer's side
 class AsyncSource:
-    """Batches made ahead by a worker thread with its own copy of the policy (module docstring)."""
+    """Batches made ahead by a worker with its own copy of the policy (module docstring)."""
 
     def __init__(self, cfg, collector: Collector, passes: LogprobPasses, *, skip_rows: bool,
                  log=print):
@@ -150,37 +215,37 @@ class AsyncSource:
         if rates:
             name, p = next(iter(rates.items()))
             raise UserError(f"rollout.async=true cannot train a policy with dropout ({name}={p}): "
-                            "its masks would be drawn from the torch RNG the rollout worker samples "
-                            "from; set it to 0 or rollout.async=false")
+                            "its masks come from torch's global RNG, which no batch seeds under "
+                            "rollout.async (and a thread worker samples from), so runs would not "
+                            "repeat; set it to 0 or rollout.async=false")
         self.cfg, self.collector, self.passes = cfg, collector, passes
         self.skip_rows, self.log = skip_rows, log
         if (hint := staleness_hint(cfg)) is not None:
             log(hint)
         self.s = cfg.rollout.max_staleness
-        self.rng_lock = threading.Lock()       # torch's global RNG: the worker's sampling vs eval
-        self._cond = threading.Condition()     # guards _weights, _stopping, _awaiting, _done
-        self._weights: dict[int, dict[str, torch.Tensor]] = {}   # version -> weights
-        self._stopping = False
-        self._awaiting: int | None = None      # the version the worker is blocked on
-        self._done = False                     # the worker has returned
-        self._ready: queue.Queue = queue.Queue()   # (step, version, collected, seconds) | exception
-        self._thread: threading.Thread | None = None
+        self.worker: ThreadWorker | ProcessWorker = WORKERS[cfg.rollout.async_worker]()
+        self.rng_lock = self.worker.rng_lock
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}   # version -> weights (checkpoints)
+        self._received: list = []              # items the worker made that collect has not taken
+        self._done = False                     # the worker has said DONE (or failed)
+        self._started = False
         self.dropped = 0
 
-    # ------------------------------------------------------------------ the trainer's side
     def seed(self, step: int, rnd: int = 0) -> int:
         return self.collector.seed(step, rnd)
 
     def collect(self, step: int):
         """The batch of ``step`` (blocks until the worker has it); the trainer's data cursor is
         moved past it, so a checkpoint after this step resumes at the next batch."""
-        if self._thread is None:
+        if not self._started:
             self._start(step)
         t0 = time.perf_counter()
-        item = self._ready.get()
+        item = self._received.pop(0) if self._received else self.worker.receive()
         waited = time.perf_counter() - t0
         if isinstance(item, BaseException):
             raise item
+        if item == DONE:
+            raise RuntimeError(f"async rollouts: the worker stopped before the batch of step {step}")
         made_for, version, (batch, rewards, metrics), cursor, worker = item
         assert made_for == step, f"async rollouts: batch of step {made_for} offered at step {step}"
         self.collector.cursor.load(cursor)
@@ -195,123 +260,325 @@ class AsyncSource:
         return batch, rewards, metrics
 
     def publish(self, version: int) -> None:
-        """The trainer's weights are now those of ``version``: copy them for the worker. Versions
+        """The trainer's weights are now those of ``version``: a copy to the worker. Versions
         older than ``version - s`` are dropped (no batch in flight can need them)."""
-        weights = snapshot(self.collector.model)
+        weights = snapshot(self.collector.model, self.worker.weights_device)
+        self._weights[version] = weights
+        for old in [v for v in self._weights if v < version - self.s]:
+            del self._weights[old]
+        if self._started:
+            self.worker.send(version, weights)
+
+    def save(self, folder: Path, done: int) -> None:
+        """Write the weights that sample the batches in flight after ``done`` steps (versions
+        done-s .. done-1; the checkpoint's own weights are version ``done``)."""
+        for v in range(behaviour_version(done, self.s), done):
+            if v in self._weights:
+                save_file(self._weights[v], str(Path(folder) / BEHAVIOUR_FILE.format(version=v)))
+
+    def load(self, folder: Path) -> None:
+        """Read the behaviour weights a checkpoint holds (a resume regenerates its batches)."""
+        pattern = re.compile(re.escape(BEHAVIOUR_FILE).replace(r"\{version\}", r"(\d+)") + "$")
+        device = self.worker.weights_device or str(next(self.collector.model.parameters()).device)
+        self._weights = {}
+        for path in Path(folder).iterdir():
+            match = pattern.match(path.name)
+            if match:
+                self._weights[int(match.group(1))] = load_file(str(path), device=device)
+
+    def settle(self) -> None:
+        """Block until the worker has made every batch it can with the weights published so far
+        (the next needs weights not yet published, or it is done): a benchmark that times a
+        stretch of steps then leaves nothing running after it (the time is the stretch's)."""
+        if not self._started or self._done:
+            return
+        last = min(self.cfg.train.steps - 1, max(self._weights) + self.s)  # v(last) published
+        while not self._done and not (self._received and self._made(self._received[-1]) >= last):
+            item = self.worker.receive()
+            self._done = item == DONE or isinstance(item, BaseException)
+            self._received.append(item)
+
+    def close(self) -> None:
+        """Stop the worker (after the batch it is making, if any) and wait for it to end."""
+        if self._started:
+            self.worker.stop()
+            self._started = False
+
+    @property
+    def ready_steps(self) -> list[int]:
+        """Steps whose batches the worker has handed over and ``collect`` has not taken yet."""
+        return [self._made(item) for item in self._received if self._made(item) >= 0]
+
+    @staticmethod
+    def _made(item) -> int:
+        return item[0] if isinstance(item, tuple) else -1
+
+    def _start(self, step: int) -> None:
+        """The worker begins at ``step``, with the trainer's current weights as that version;
+        versions before it that the checkpoint did not hold fall back to them (logged)."""
+        self._weights[step] = snapshot(self.collector.model, self.worker.weights_device)
+        missing = [v for v in range(behaviour_version(step, self.s), step) if v not in self._weights]
+        for v in missing:
+            self._weights[v] = self._weights[step]
+        if missing:
+            self.log(f"rollout.async: no weights of versions {missing} in the checkpoint; the "
+                     f"batches in flight are sampled by the weights of step {step}")
+        held = {v: w for v, w in sorted(self._weights.items())
+                if v >= behaviour_version(step, self.s)}
+        self.worker.start(self.cfg, self.collector, self.passes, step, skip_rows=self.skip_rows,
+                          weights=held)
+        self._started, self._done, self._received = True, False, []
+
+
+# ---------------------------------------------------------------------------- the thread worker
+class ThreadWorker:
+    """The worker as a thread of this process, sharing its memory, interpreter and RNG."""
+
+    weights_device = None       # the snapshots stay where the policy is
+
+    def __init__(self):
+        self.rng_lock = threading.Lock()       # torch's global RNG: the worker's sampling vs eval
+        self._cond = threading.Condition()     # guards _weights and _stopping
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._stopping = False
+        self._ready: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, cfg, collector: Collector, passes: LogprobPasses, step: int, *,
+              skip_rows: bool, weights: dict) -> None:
+        self._weights, self._stopping, self.s = dict(weights), False, cfg.rollout.max_staleness
+        self._ready = queue.Queue()
+        model = copy.deepcopy(collector.model).requires_grad_(False)
+        # the worker shares config, task and rewards; owns its policy, data cursor, sampling engine
+        worker = copy.copy(collector)
+        worker.model, worker.cursor, worker.engine = model, copy.deepcopy(collector.cursor), None
+        passes = copy.copy(passes)               # its log-prob passes run on its own policy
+        passes.model = model
+        self._thread = threading.Thread(
+            target=self._serve, args=(cfg, worker, passes, step, skip_rows), daemon=True,
+            name="gspo-rollout")
+        self._thread.start()
+
+    def send(self, version: int, weights: dict) -> None:
         with self._cond:
             self._weights[version] = weights
             for old in [v for v in self._weights if v < version - self.s]:
                 del self._weights[old]
             self._cond.notify_all()
 
-    def save(self, folder: Path, done: int) -> None:
-        """Write the weights that sample the batches in flight after ``done`` steps (versions
-        done-s .. done-1; the checkpoint's own weights are version ``done``)."""
-        with self._cond:
-            held = dict(self._weights)
-        for v in range(behaviour_version(done, self.s), done):
-            if v in held:
-                save_file(held[v], str(Path(folder) / BEHAVIOUR_FILE.format(version=v)))
+    def receive(self):
+        return self._ready.get()
 
-    def load(self, folder: Path) -> None:
-        """Read the behaviour weights a checkpoint holds (a resume regenerates its batches)."""
-        pattern = re.compile(re.escape(BEHAVIOUR_FILE).replace(r"\{version\}", r"(\d+)") + "$")
-        device = str(next(self.collector.model.parameters()).device)
-        with self._cond:
-            self._weights = {}
-            for path in Path(folder).iterdir():
-                match = pattern.match(path.name)
-                if match:
-                    self._weights[int(match.group(1))] = load_file(str(path), device=device)
-
-    def settle(self) -> None:
-        """Block until the worker has made every batch it can with the weights published so far
-        (it waits for weights not yet published, or is done): a benchmark that times a stretch of
-        steps then leaves nothing running after it (the time is the stretch's, counted there)."""
-        with self._cond:
-            while self._thread is not None and not self._done and (
-                    self._awaiting is None or self._awaiting in self._weights):
-                self._cond.wait()
-
-    def close(self) -> None:
-        """Stop the worker (after the batch it is making, if any) and join it."""
+    def stop(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._thread.join()
+        self._thread = None
 
-    # ------------------------------------------------------------------ the worker
-    def _start(self, step: int) -> None:
-        """The worker begins at ``step``, with the trainer's current weights as that version;
-        versions before it that the checkpoint did not hold fall back to them (logged)."""
-        with self._cond:
-            self._weights[step] = snapshot(self.collector.model)
-            missing = [v for v in range(behaviour_version(step, self.s), step)
-                       if v not in self._weights]
-            for v in missing:
-                self._weights[v] = self._weights[step]
-        if missing:
-            self.log(f"rollout.async: no weights of versions {missing} in the checkpoint; the "
-                     f"batches in flight are sampled by the weights of step {step}")
-        model = copy.deepcopy(self.collector.model).requires_grad_(False)
-        # the worker shares config, task and rewards; owns its policy, data cursor, sampling engine
-        worker = copy.copy(self.collector)
-        worker.model, worker.cursor, worker.engine = model, copy.deepcopy(self.collector.cursor), None
-        passes = copy.copy(self.passes)          # its log-prob passes run on its own policy
-        passes.model = model
-        self._thread = threading.Thread(target=self._serve, args=(worker, passes, step), daemon=True,
-                                        name="gspo-rollout")
-        self._thread.start()
-
-    def _serve(self, worker: Collector, passes: LogprobPasses, step: int) -> None:
-        if self.cfg.run.threads:
-            torch.set_num_threads(self.cfg.run.threads)     # this thread's pool (module docstring)
+    def _serve(self, cfg, worker, passes, step, skip_rows) -> None:
         try:
-            version = None
-            for k in range(step, self.cfg.train.steps):
-                t0 = time.perf_counter()
-                weights, v = self._await(behaviour_version(k, self.s))
-                waited = time.perf_counter() - t0
-                if weights is None:                       # stopping
-                    return
-                if v != version:
-                    worker.model.load_state_dict(weights)
-                    version = v
-                with self.rng_lock:
-                    collected = worker.collect(k)
-                t0 = time.perf_counter()
-                if k > v:
-                    self.behaviour_logp(passes, *collected[:2])
-                seconds = {"async/worker_old_logprobs_s": time.perf_counter() - t0,
-                           "async/wait_s/worker": waited}
-                self._ready.put((k, v, collected, worker.cursor.state(), seconds))
+            make_batches(cfg, worker, passes, step, skip_rows=skip_rows,
+                         await_weights=self._await, put=self._ready.put, rng_lock=self.rng_lock)
         except BaseException as err:  # noqa: BLE001  the trainer raises it at its next batch
             self._ready.put(err)
         finally:
-            with self._cond:
-                self._done = True
-                self._cond.notify_all()
+            self._ready.put(DONE)
 
     def _await(self, version: int):
-        """(weights of ``version``, version) once published; (None, version) when stopping."""
+        """The weights of ``version`` once published; None when stopping."""
         with self._cond:
-            self._awaiting = version
-            self._cond.notify_all()                       # (settle)
             while version not in self._weights and not self._stopping:
                 self._cond.wait()
-            self._awaiting = None
-            return (None, version) if self._stopping else (self._weights[version], version)
+            return None if self._stopping else self._weights[version]
 
-    def behaviour_logp(self, passes: LogprobPasses, batch, rewards) -> None:
-        """π_old of a stale batch under the weights that sampled it (the worker's ``passes``), for
-        the rows that may carry a gradient (all rows when the trainer would forward every row, or
-        when the generator's log-probs are kept: the mismatch metrics and correction read them all)."""
-        if batch is None or self.cfg.train.old_logprobs == "rollout":  # rollout: π_v's already
-            return
-        if self.cfg.rollout.async_ratio == "decoupled":  # the sampler's log-probs (the correction
-            return       # asks for them) are π_v's; the trainer recomputes π_old = π_prox itself
-        every_row = not self.skip_rows or batch.rollout_logp is not None  # mismatch reads them all
-        rows = None if every_row else behaviour_rows(rewards, self.cfg.rollout.group_size)
-        batch.extras["behaviour_logp"] = passes.old_logprobs(batch, rows)            # [N, T]
+
+# ---------------------------------------------------------------------------- the process worker
+@dataclasses.dataclass
+class WorkerSpec:
+    """What the child process builds its collector and log-prob passes from (pickled once)."""
+    cfg: object
+    parts: dict                 # the Collector's fields but its rewards and engine (model on CPU)
+    passes: LogprobPasses       # its model is set to the child's policy
+    device: str
+    step: int
+    skip_rows: bool
+
+    def build(self) -> tuple[Collector, LogprobPasses]:
+        model = self.parts["model"].to(self.device).requires_grad_(False)
+        rewards = isolated_rewards(self.cfg.rewards, self.parts["task"])   # (may hold threads)
+        collector = Collector(**{**self.parts, "model": model, "rewards": rewards, "engine": None})
+        self.passes.model = model
+        return collector, self.passes
+
+
+def _context():
+    """A fork server that has imported this module (torch, transformers, gspo) once: a worker
+    starts in a fraction of a second. Spawn where there is no fork server (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+class ProcessWorker:
+    """The worker as a child process (module docstring)."""
+
+    rng_lock = contextlib.nullcontext()      # the child samples from its own RNG
+    weights_device = "cpu"                   # what crosses the process boundary
+
+    def __init__(self):
+        self._proc = None
+        self._inbox = self._outbox = None
+        self._device = "cpu"
+
+    def start(self, cfg, collector: Collector, passes: LogprobPasses, step: int, *,
+              skip_rows: bool, weights: dict) -> None:
+        ctx = _context()
+        self._device = str(collector.device)
+        model = collector.model if self._device == "cpu" else copy.deepcopy(collector.model).cpu()
+        parts = {f.name: getattr(collector, f.name) for f in dataclasses.fields(collector)
+                 if f.name not in ("rewards", "engine")}
+        passes = copy.copy(passes)
+        passes.model = None
+        spec = WorkerSpec(cfg, {**parts, "model": model, "cursor": copy.deepcopy(collector.cursor)},
+                          passes, self._device, step, skip_rows)
+        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        # the spec as bytes: multiprocessing's own pickler would hand the child the policy's
+        # parameters in shared memory, which the trainer then updates under it (and vice versa)
+        self._proc = ctx.Process(target=_process_main, args=(_packed(spec), self._inbox, self._outbox),
+                                 name="gspo-rollout", daemon=True)
+        self._proc.start()
+        for version, w in weights.items():
+            self.send(version, w)
+
+    def send(self, version: int, weights: dict) -> None:
+        self._inbox.put(_packed((version, weights)))
+
+    def receive(self):
+        """The worker's next item; a RuntimeError if the process ended without saying DONE."""
+        while True:
+            try:
+                item = pickle.loads(self._outbox.get(timeout=1.0))
+                break
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    return RuntimeError(f"async rollouts: the worker process ended (exit code "
+                                        f"{self._proc.exitcode}) without a batch or an error")
+        return item if self._device == "cpu" else _from_host(item, self._device)
+
+    def stop(self) -> None:
+        """Ask the worker to stop, take what it still sends until DONE, and join it (killed if
+        it has not ended 60 s after its last batch)."""
+        self._inbox.put(_packed(None))
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and self._proc.is_alive():
+            try:
+                if pickle.loads(self._outbox.get(timeout=1.0)) == DONE:
+                    break
+            except queue.Empty:
+                pass
+        self._proc.join(timeout=10.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._inbox.cancel_join_thread()       # nothing left to deliver to a process that is gone
+        self._proc = None
+
+
+def _process_main(packed_spec: bytes, inbox, outbox) -> None:
+    """The child: build the collector from the pickled ``WorkerSpec``, then ``make_batches``
+    with weights from ``inbox`` and batches (or the error that ended it) to ``outbox``; DONE last."""
+    for sig in (signal.SIGINT, signal.SIGTERM):   # the trainer saves, then stops the worker
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        spec: WorkerSpec = pickle.loads(packed_spec)
+        worker, passes = spec.build()
+        put = lambda item: outbox.put(_packed(item if spec.device == "cpu" else _to_host(item)))  # noqa: E731
+        make_batches(spec.cfg, worker, passes, spec.step, skip_rows=spec.skip_rows,
+                     await_weights=_inbox_reader(inbox, os.getppid()), put=put,
+                     rng_lock=contextlib.nullcontext())
+    except BaseException as err:  # noqa: BLE001  the trainer raises it at its next batch
+        outbox.put(_packed(_portable(err)))
+    finally:
+        outbox.put(_packed(DONE))
+
+
+def _inbox_reader(inbox, parent: int) -> Callable[[int], dict | None]:
+    """``await_weights`` of the child: reads published versions until ``version`` is there
+    (older ones dropped); None on the stop message, or once the trainer's process is gone."""
+    held: dict[int, dict] = {}
+
+    def await_weights(version: int):
+        while version not in held:
+            try:
+                message = pickle.loads(inbox.get(timeout=1.0))
+            except queue.Empty:
+                if os.getppid() != parent:     # orphaned: the trainer died without stopping us
+                    return None
+                continue
+            if message is None:
+                return None
+            held[message[0]] = message[1]
+        for old in [v for v in held if v < version]:
+            del held[old]
+        return held[version]
+    return await_weights
+
+
+def _packed(item) -> bytes:
+    """``item`` as bytes, its tensors' data inside. Plain pickle, not the queue's: torch's
+    reductions for it pass tensors as shared memory, which would alias the two sides' weights and
+    vanish when the child exits before the trainer reads its last batch."""
+    return pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _portable(err: BaseException) -> BaseException:
+    """``err`` as the trainer will raise it: with the child's traceback as a note, or, when it
+    does not pickle, a RuntimeError that names it."""
+    err.add_note("in the rollout worker process:\n" + "".join(traceback.format_exception(err)))
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"async rollouts: the worker process failed: "
+                            f"{''.join(traceback.format_exception(err))}")
+
+
+@dataclasses.dataclass
+class _OnDevice:
+    """A tensor that was on an accelerator in the child, crossing on the CPU."""
+    tensor: torch.Tensor
+
+
+def _to_host(item):
+    """``item`` with every tensor inside it (tuples, lists, dicts, dataclasses) that is not on
+    the CPU wrapped as ``_OnDevice`` of a CPU copy (CPU tensors, e.g. ``batch.correct``, stay)."""
+    return _map_tensors(item, lambda t: t if t.device.type == "cpu" else _OnDevice(t.cpu()))
+
+
+def _from_host(item, device: str):
+    """``item`` with every ``_OnDevice`` moved back to ``device``."""
+    if isinstance(item, _OnDevice):
+        return item.tensor.to(device)
+    return _map_tensors(item, lambda t: t, lambda x: _from_host(x, device))
+
+
+def _map_tensors(item, fn, inner=None):
+    """``fn`` applied to each tensor inside ``item`` (``inner`` to each element: recursion)."""
+    inner = inner or (lambda x: _map_tensors(x, fn))
+    if isinstance(item, torch.Tensor):
+        return fn(item)
+    if isinstance(item, (list, tuple)):
+        return type(item)(inner(x) for x in item)
+    if isinstance(item, dict):
+        return {k: inner(v) for k, v in item.items()}
+    if dataclasses.is_dataclass(item) and not isinstance(item, type | _OnDevice):
+        return dataclasses.replace(item, **{f.name: inner(getattr(item, f.name))
+                                            for f in dataclasses.fields(item) if f.init})
+    return item
+
+
+WORKERS = {"process": ProcessWorker, "thread": ThreadWorker}
+"""rollout.async_worker -> the worker class."""
