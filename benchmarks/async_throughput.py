@@ -3,8 +3,10 @@
 Runs ``gspo train`` on one config as interleaved pairs (synchronous, then asynchronous, then
 the next pair), each in its own process with one thread per side (``OMP_NUM_THREADS=1``,
 ``run.threads=1``), and reports per pair: steps/s over steps 2..N (the first step pays for
-start-up and, asynchronously, for a batch without overlap), the ratio, and how many cores the
-process got (CPU seconds / wall seconds, from getrusage). The machine is shared and noisy: read
+start-up and, asynchronously, for a batch without overlap), the ratio, and how many cores were
+busy while it ran (the machine's busy CPU seconds from /proc/stat / wall seconds: the worker
+process is a fork server's child, which getrusage of our children does not see; elsewhere
+getrusage). The machine is shared and noisy: read
 the ratios of a pair, not the absolute seconds, and the load average printed beside them.
 
     python benchmarks/async_throughput.py                     # default job, 3 pairs of 30 steps
@@ -34,6 +36,16 @@ sys.path.insert(0, str(ROOT / "src"))
 from gspo.observe.metrics import read_metrics  # noqa: E402
 
 
+def busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy (Linux /proc/stat), else None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]                                  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def run_once(config: str, steps: int, asynchronous: bool, extra: list[str], folder: Path) -> dict:
     """One ``gspo train`` run; its steps/s, mean step breakdown and the cores it got."""
     run_dir = folder / ("async" if asynchronous else "sync")
@@ -41,12 +53,14 @@ def run_once(config: str, steps: int, asynchronous: bool, extra: list[str], fold
             "run.eval_every=0", "run.save_every=0", "run.threads=1", "eval.n=8",
             f"rollout.async={'true' if asynchronous else 'false'}", f"run.dir={run_dir}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before, busy_before = resource.getrusage(resource.RUSAGE_CHILDREN), busy_seconds()
     start = time.perf_counter()
     subprocess.run(args, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    after, busy_after = resource.getrusage(resource.RUSAGE_CHILDREN), busy_seconds()
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if busy_before is not None:   # the worker process is the fork server's child, not ours
+        cpu = busy_after - busy_before
     rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]    # steps 2..N
     times = [r["time/step_s"] for r in rows]
     keys = sorted({k for r in rows for k in r if k.startswith(("time/", "async/")) and k.endswith("_s")})

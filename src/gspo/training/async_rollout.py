@@ -464,8 +464,11 @@ class ProcessWorker:
                 break
             except queue.Empty:
                 if not self._proc.is_alive():
-                    return RuntimeError(f"async rollouts: the worker process ended (exit code "
-                                        f"{self._proc.exitcode}) without a batch or an error")
+                    return RuntimeError(
+                        f"async rollouts: the worker process ended (exit code {self._proc.exitcode})"
+                        " without a batch or an error. It imports the main module of this program"
+                        " as Python's multiprocessing does: a script that trains must start under"
+                        " `if __name__ == \"__main__\":` (or set rollout.async_worker=thread)")
         return item if self._device == "cpu" else _from_host(item, self._device)
 
     def stop(self) -> None:
