@@ -222,6 +222,17 @@ def test_a_failing_worker_raises_its_error_in_the_trainer(fresh, reward_dir):
     assert not _worker_threads()
 
 
+def test_a_part_that_does_not_pickle_is_named_in_one_line(fresh):
+    t = fresh("rollout.async=true")
+    t.collector.task.hook = lambda: None            # a lambda cannot cross to the worker process
+    try:
+        with pytest.raises(UserError, match="worker's copy of the task cannot be pickled") as err:
+            t.rollouts.collect(0)
+        assert "\n" not in str(err.value) and "rollout.async_worker=thread" in str(err.value)
+    finally:
+        t.rollouts.close()
+
+
 @pytest.mark.parametrize("checkpointing", ["false", "true"])
 def test_the_rl_update_leaves_torchs_global_rng_alone(fresh, monkeypatch, checkpointing):
     """The worker samples from torch's global RNG while the trainer updates, so the update must

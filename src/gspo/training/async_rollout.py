@@ -447,7 +447,7 @@ class ProcessWorker:
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         # the spec as bytes: multiprocessing's own pickler would hand the child the policy's
         # parameters in shared memory, which the trainer then updates under it (and vice versa)
-        self._proc = ctx.Process(target=_process_main, args=(_packed(spec), self._inbox, self._outbox),
+        self._proc = ctx.Process(target=_process_main, args=(_packed_spec(spec), self._inbox, self._outbox),
                                  name="gspo-rollout", daemon=True)
         self._proc.start()
         for version, w in weights.items():
@@ -488,6 +488,26 @@ class ProcessWorker:
             self._proc.join()
         self._inbox.cancel_join_thread()       # nothing left to deliver to a process that is gone
         self._proc = None
+
+
+def _packed_spec(spec: WorkerSpec) -> bytes:
+    """``_packed(spec)``, or a UserError naming the part that does not pickle."""
+    try:
+        return _packed(spec)
+    except Exception as err:  # noqa: BLE001  pickle raises TypeError, AttributeError, PicklingError...
+        parts = {**spec.parts, "passes": spec.passes}
+        bad = [name for name, part in parts.items() if not _pickles(part)] or ["config"]
+        raise UserError(f"rollout.async_worker=process: the worker's copy of the {bad[0]} cannot "
+                        f"be pickled ({type(err).__name__}: {err}); set rollout.async_worker=thread"
+                        ) from None
+
+
+def _pickles(obj) -> bool:
+    try:
+        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _process_main(packed_spec: bytes, inbox, outbox) -> None:
