@@ -39,7 +39,27 @@ def _hits(pattern: str) -> list[str]:
     (r"safe_serialization\s*=\s*False", "weights only as safetensors"),
 ])
 def test_no_unsafe_calls(pattern, why):
-    assert _hits(pattern) == [], why
+    allowed = REVIEWED.get(pattern, {})
+    assert [h for h in _hits(pattern) if h.split(":", 1)[0] not in allowed] == [], why
+
+
+REVIEWED = {
+    pattern: {"training/async_rollout.py":
+              "the rollout worker process and the trainer that started it talk over their own "
+              "pipes (multiprocessing's fork server listens in a private 0700 folder): both ends "
+              "run this package's code as the same user, and nothing read from a file, the "
+              "network or a checkpoint is unpickled (docs/reliability.md, Security)"}
+    for pattern in (r"\bimport\s+(pickle|cPickle|dill|cloudpickle|shelve|marshal)\b|\bpickle\.",
+                    r"multiprocessing")
+}
+"""Files where a pattern above was looked at and kept, and why; a new call site elsewhere fails."""
+
+
+def test_the_reviewed_exceptions_still_exist():
+    """An exception that no longer matches anything is removed, not kept as a blank cheque."""
+    for pattern, files in REVIEWED.items():
+        hit_files = {h.split(":", 1)[0] for h in _hits(pattern)}
+        assert set(files) <= hit_files, (pattern, set(files) - hit_files)
 
 
 def test_every_torch_load_is_weights_only():
