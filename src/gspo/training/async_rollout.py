@@ -40,8 +40,8 @@ log-probs, which are π_v's.
 **The process worker** is started once, at the first batch, from a fork server that has already
 imported this module (start-up in a fraction of a second after the first), and is handed a copy of
 the collector's parts (its rewards are built again from the config: they may hold threads). Each
-published version goes to it through a queue, each batch comes back through another, pickled
-(tensors as bytes: a few milliseconds for the tiny presets' weights). It has its own interpreter, so neither side waits for the
+published version goes to it through a queue as safetensors bytes, each batch comes back through
+another, pickled (its tensors as bytes). It has its own interpreter, so neither side waits for the
 other's Python, and its own torch RNG, so nothing needs ``rng_lock``. It ignores SIGINT/SIGTERM
 (the trainer saves and then stops it) and exits when the trainer's process is gone.
 
@@ -76,7 +76,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import load as safetensors_weights
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as safetensors_bytes
 
 from gspo.core import objectives
 from gspo.errors import UserError
@@ -454,7 +456,7 @@ class ProcessWorker:
             self.send(version, w)
 
     def send(self, version: int, weights: dict) -> None:
-        self._inbox.put(_packed((version, weights)))
+        self._inbox.put((version, safetensors_bytes(weights)))    # no pickle for weights
 
     def receive(self):
         """The worker's next item; a RuntimeError if the process ended without saying DONE."""
@@ -474,7 +476,7 @@ class ProcessWorker:
     def stop(self) -> None:
         """Ask the worker to stop, take what it still sends until DONE, and join it (killed if
         it has not ended 60 s after its last batch)."""
-        self._inbox.put(_packed(None))
+        self._inbox.put(None)
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline and self._proc.is_alive():
             try:
@@ -536,14 +538,14 @@ def _inbox_reader(inbox, parent: int) -> Callable[[int], dict | None]:
     def await_weights(version: int):
         while version not in held:
             try:
-                message = pickle.loads(inbox.get(timeout=1.0))
+                message = inbox.get(timeout=1.0)    # (version, safetensors bytes) | None
             except queue.Empty:
                 if os.getppid() != parent:     # orphaned: the trainer died without stopping us
                     return None
                 continue
             if message is None:
                 return None
-            held[message[0]] = message[1]
+            held[message[0]] = safetensors_weights(message[1])
         for old in [v for v in held if v < version]:
             del held[old]
         return held[version]
