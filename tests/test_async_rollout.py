@@ -200,8 +200,8 @@ def test_a_failing_worker_raises_its_error_in_the_trainer(fresh, reward_dir):
     worker's traceback as a note; a worker that dies is a RuntimeError that says so."""
     (reward_dir / "gspo_failing_reward.py").write_text(
         "def broken(completion, **row):\n    raise ZeroDivisionError('no reward today')\n")
-    t = fresh("rollout.async=true", "rewards.sources=[{type: function, fn: 'gspo_failing_reward:broken'}]",
-              "rewards.on_error=fail")
+    t = fresh("rollout.async=true", "rewards.on_error=fail",
+              "rewards.sources=[{type: function, fn: 'gspo_failing_reward:broken'}]")
     try:
         with pytest.raises(Exception, match="no reward today") as err:
             t.step(0)

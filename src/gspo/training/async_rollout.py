@@ -449,8 +449,8 @@ class ProcessWorker:
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         # the spec as bytes: multiprocessing's own pickler would hand the child the policy's
         # parameters in shared memory, which the trainer then updates under it (and vice versa)
-        self._proc = ctx.Process(target=_process_main, args=(_packed_spec(spec), self._inbox, self._outbox),
-                                 name="gspo-rollout", daemon=True)
+        self._proc = ctx.Process(target=_process_main, name="gspo-rollout", daemon=True,
+                                 args=(_packed_spec(spec), self._inbox, self._outbox))
         self._proc.start()
         for version, w in weights.items():
             self.send(version, w)
@@ -520,7 +520,8 @@ def _process_main(packed_spec: bytes, inbox, outbox) -> None:
     try:
         spec: WorkerSpec = pickle.loads(packed_spec)
         worker, passes = spec.build()
-        put = lambda item: outbox.put(_packed(item if spec.device == "cpu" else _to_host(item)))  # noqa: E731
+        on_cpu = spec.device == "cpu"
+        put = lambda item: outbox.put(_packed(item if on_cpu else _to_host(item)))  # noqa: E731
         make_batches(spec.cfg, worker, passes, spec.step, skip_rows=spec.skip_rows,
                      await_weights=_inbox_reader(inbox, os.getppid()), put=put,
                      rng_lock=contextlib.nullcontext())
