@@ -222,6 +222,22 @@ def test_a_failing_worker_raises_its_error_in_the_trainer(fresh, reward_dir):
     assert not _worker_threads()
 
 
+def test_the_worker_process_ends_when_the_trainer_is_gone(fresh):
+    """Its watchdog ends it once the trainer's end of its pipe closes, as when the trainer dies
+    without stopping it (here the trainer's end is closed by hand, mid-run)."""
+    t = fresh("rollout.async=true", "rollout.max_staleness=1", "train.steps=4")
+    try:
+        t.step(0)
+        proc = t.rollouts.worker._proc
+        assert proc.is_alive()                      # waiting for the weights of version 1
+        t.rollouts.worker._alive.close()
+        proc.join(timeout=30)
+        assert not proc.is_alive()
+    finally:
+        t.rollouts.close()
+    assert not _worker_threads()
+
+
 def test_a_part_that_does_not_pickle_is_named_in_one_line(fresh):
     t = fresh("rollout.async=true")
     t.collector.task.hook = lambda: None            # a lambda cannot cross to the worker process

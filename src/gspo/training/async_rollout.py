@@ -43,7 +43,8 @@ the collector's parts (its rewards are built again from the config: they may hol
 published version goes to it through a queue as safetensors bytes, each batch comes back through
 another, pickled (its tensors as bytes). It has its own interpreter, so neither side waits for the
 other's Python, and its own torch RNG, so nothing needs ``rng_lock``. It ignores SIGINT/SIGTERM
-(the trainer saves and then stops it) and exits when the trainer's process is gone.
+(the trainer saves and then stops it) and exits when the trainer's process is gone (a pipe only
+the trainer writes to reaches its end: ``exit_with_trainer``).
 
 **The thread worker shares torch's global RNG.** transformers ``generate`` samples from torch's
 global CPU generator (seeded per batch), which all threads share. So while the worker samples, the
@@ -447,11 +448,13 @@ class ProcessWorker:
         spec = WorkerSpec(cfg, {**parts, "model": model, "cursor": copy.deepcopy(collector.cursor)},
                           passes, self._device, step, skip_rows)
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        alive, self._alive = ctx.Pipe(duplex=False)   # only this process holds the writing end
         # the spec as bytes: multiprocessing's own pickler would hand the child the policy's
         # parameters in shared memory, which the trainer then updates under it (and vice versa)
         self._proc = ctx.Process(target=_process_main, name="gspo-rollout", daemon=True,
-                                 args=(_packed_spec(spec), self._inbox, self._outbox))
+                                 args=(_packed_spec(spec), self._inbox, self._outbox, alive))
         self._proc.start()
+        alive.close()
         for version, w in weights.items():
             self.send(version, w)
 
@@ -489,6 +492,7 @@ class ProcessWorker:
             self._proc.kill()
             self._proc.join()
         self._inbox.cancel_join_thread()       # nothing left to deliver to a process that is gone
+        self._alive.close()
         self._proc = None
 
 
@@ -512,18 +516,20 @@ def _pickles(obj) -> bool:
         return False
 
 
-def _process_main(packed_spec: bytes, inbox, outbox) -> None:
+def _process_main(packed_spec: bytes, inbox, outbox, alive) -> None:
     """The child: build the collector from the pickled ``WorkerSpec``, then ``make_batches``
-    with weights from ``inbox`` and batches (or the error that ended it) to ``outbox``; DONE last."""
+    with weights from ``inbox`` and batches (or the error that ended it) to ``outbox``; DONE last.
+    ``alive``: the reading end of a pipe only the trainer writes to (``exit_with_trainer``)."""
     for sig in (signal.SIGINT, signal.SIGTERM):   # the trainer saves, then stops the worker
         signal.signal(sig, signal.SIG_IGN)
+    exit_with_trainer(alive)
     try:
         spec: WorkerSpec = pickle.loads(packed_spec)
         worker, passes = spec.build()
         on_cpu = spec.device == "cpu"
         put = lambda item: outbox.put(_packed(item if on_cpu else _to_host(item)))  # noqa: E731
         make_batches(spec.cfg, worker, passes, spec.step, skip_rows=spec.skip_rows,
-                     await_weights=_inbox_reader(inbox, os.getppid()), put=put,
+                     await_weights=_inbox_reader(inbox), put=put,
                      rng_lock=contextlib.nullcontext())
     except BaseException as err:  # noqa: BLE001  the trainer raises it at its next batch
         outbox.put(_packed(_portable(err)))
@@ -531,19 +537,27 @@ def _process_main(packed_spec: bytes, inbox, outbox) -> None:
         outbox.put(_packed(DONE))
 
 
-def _inbox_reader(inbox, parent: int) -> Callable[[int], dict | None]:
+def exit_with_trainer(alive) -> None:
+    """A daemon thread that ends this process once the trainer's end of ``alive`` is closed: the
+    trainer stopped it, or died without stopping it (then nothing else would: the child of a fork
+    server does not see its trainer, and a queue's buffered batch would block its exit)."""
+    def watch():
+        try:
+            alive.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True, name="gspo-rollout-watchdog").start()
+
+
+def _inbox_reader(inbox) -> Callable[[int], dict | None]:
     """``await_weights`` of the child: reads published versions until ``version`` is there
-    (older ones dropped); None on the stop message, or once the trainer's process is gone."""
+    (older ones dropped); None on the stop message."""
     held: dict[int, dict] = {}
 
     def await_weights(version: int):
         while version not in held:
-            try:
-                message = inbox.get(timeout=1.0)    # (version, safetensors bytes) | None
-            except queue.Empty:
-                if os.getppid() != parent:     # orphaned: the trainer died without stopping us
-                    return None
-                continue
+            message = inbox.get()             # (version, safetensors bytes) | None
             if message is None:
                 return None
             held[message[0]] = safetensors_weights(message[1])
