@@ -23,6 +23,7 @@ from gspo.core import correction, objectives
 from gspo.core.logprobs import response_logprobs
 from gspo.observe.metrics import read_metrics
 from gspo.rollout.collect import loss_mask
+from gspo.rollout.generate import RolloutBatch
 from gspo.models.presets import (build_model, dropout_rates, enable_activation_checkpointing,
                                  load_model)
 from gspo.training.trainer import Trainer
@@ -236,6 +237,27 @@ def test_the_worker_process_ends_when_the_trainer_is_gone(fresh):
     finally:
         t.rollouts.close()
     assert not _worker_threads()
+
+
+def test_device_tensors_cross_on_the_cpu_and_go_back():
+    """A batch from a worker on an accelerator: its device tensors cross wrapped as CPU copies
+    and are moved back on arrival; CPU tensors (``batch.correct``), strings and numbers stay.
+    (No accelerator here: the wrapped tensors are built by hand, and go back to the CPU.)"""
+    wrap = async_rollout._OnDevice
+    batch = RolloutBatch(wrap(torch.ones(2, 3)), wrap(torch.ones(2, 3)), wrap(torch.ones(2, 1)),
+                         wrap(torch.zeros(2, dtype=torch.bool)), ["a", "b"], [1, 2],
+                         extras={"behaviour_logp": wrap(torch.full((2, 1), -0.5))},
+                         correct=torch.tensor([True, False]))
+    item = (3, 2, (batch, wrap(torch.tensor([1.0, 0.0])), {"reward/mean": 0.5}), {"index": 8}, {})
+    back = async_rollout._from_host(item, "cpu")
+    b = back[2][0]
+    assert isinstance(b, RolloutBatch) and b.completions == ["a", "b"] and b.examples == [1, 2]
+    assert torch.equal(b.extras["behaviour_logp"], torch.full((2, 1), -0.5))
+    assert torch.equal(b.input_ids, torch.ones(2, 3)) and b.correct is batch.correct
+    assert torch.equal(back[2][1], torch.tensor([1.0, 0.0])) and back[2][2] == {"reward/mean": 0.5}
+    assert back[:2] == (3, 2) and back[3] == {"index": 8}
+    cpu_only = (b, torch.ones(1))
+    assert async_rollout._to_host(cpu_only)[1] is cpu_only[1]       # CPU tensors are not wrapped
 
 
 def test_a_part_that_does_not_pickle_is_named_in_one_line(fresh):

@@ -510,7 +510,7 @@ def _packed_spec(spec: WorkerSpec) -> bytes:
 
 def _pickles(obj) -> bool:
     try:
-        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        _packed(obj)
         return True
     except Exception:  # noqa: BLE001
         return False
@@ -579,7 +579,7 @@ def _portable(err: BaseException) -> BaseException:
     does not pickle, a RuntimeError that names it."""
     err.add_note("in the rollout worker process:\n" + "".join(traceback.format_exception(err)))
     try:
-        pickle.loads(pickle.dumps(err))
+        pickle.loads(_packed(err))
         return err
     except Exception:  # noqa: BLE001
         return RuntimeError(f"async rollouts: the worker process failed: "
@@ -595,27 +595,25 @@ class _OnDevice:
 def _to_host(item):
     """``item`` with every tensor inside it (tuples, lists, dicts, dataclasses) that is not on
     the CPU wrapped as ``_OnDevice`` of a CPU copy (CPU tensors, e.g. ``batch.correct``, stay)."""
-    return _map_tensors(item, lambda t: t if t.device.type == "cpu" else _OnDevice(t.cpu()))
+    return _map_leaves(item, lambda t: t if t.device.type == "cpu" else _OnDevice(t.cpu()))
 
 
 def _from_host(item, device: str):
     """``item`` with every ``_OnDevice`` moved back to ``device``."""
-    if isinstance(item, _OnDevice):
-        return item.tensor.to(device)
-    return _map_tensors(item, lambda t: t, lambda x: _from_host(x, device))
+    return _map_leaves(item, lambda x: x.tensor.to(device) if isinstance(x, _OnDevice) else x)
 
 
-def _map_tensors(item, fn, inner=None):
-    """``fn`` applied to each tensor inside ``item`` (``inner`` to each element: recursion)."""
-    inner = inner or (lambda x: _map_tensors(x, fn))
-    if isinstance(item, torch.Tensor):
+def _map_leaves(item, fn):
+    """``fn`` applied to each tensor or ``_OnDevice`` inside ``item`` (tuples, lists, dicts,
+    dataclasses); everything else as it is."""
+    if isinstance(item, (torch.Tensor, _OnDevice)):
         return fn(item)
     if isinstance(item, (list, tuple)):
-        return type(item)(inner(x) for x in item)
+        return type(item)(_map_leaves(x, fn) for x in item)
     if isinstance(item, dict):
-        return {k: inner(v) for k, v in item.items()}
-    if dataclasses.is_dataclass(item) and not isinstance(item, type | _OnDevice):
-        return dataclasses.replace(item, **{f.name: inner(getattr(item, f.name))
+        return {k: _map_leaves(v, fn) for k, v in item.items()}
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return dataclasses.replace(item, **{f.name: _map_leaves(getattr(item, f.name), fn)
                                             for f in dataclasses.fields(item) if f.init})
     return item
 
