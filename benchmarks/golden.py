@@ -16,6 +16,9 @@ Usage (a reference from another commit, then this checkout against it)::
     PYTHONPATH=/tmp/base/src python benchmarks/golden.py --record /tmp/golden --configs /tmp/base/configs
     PYTHONPATH=src python benchmarks/golden.py --compare /tmp/golden
 
+``--set KEY=VALUE`` (repeatable) adds an override to every run of this side: a deliberate change
+of a default is compared with its old value set (``--set train.minibatch_by=rows``).
+
 CPU only, one thread: a few minutes for the four runs. Each run's interpreter starts with torch's
 global RNG seeded (a ``sitecustomize`` on PYTHONPATH): torch seeds it at random per process, and
 code that draws from it (a new layer's init) would otherwise differ run to run.
@@ -47,14 +50,14 @@ RUNS = {  # name -> (config file, overrides)
 WEIGHT_FILES = ("model.safetensors", "critic.safetensors")
 
 
-def train(name: str, configs: Path, work: Path) -> Path:
+def train(name: str, configs: Path, work: Path, extra: list[str] = ()) -> Path:
     """One run of ``name`` in ``work/name`` with the gspo on PYTHONPATH; its final checkpoint.
     Each run trains its own cold start (a cache hit would leave the global RNG elsewhere, and
     PPO's critic head is drawn from it)."""
     config, overrides = RUNS[name]
     run_dir = work / name
     cmd = [sys.executable, "-m", "gspo", "train", str(configs / config), f"run.dir={run_dir}",
-           f"sft.cache_dir={work / 'sft-cache' / name}", *COMMON, *overrides]
+           f"sft.cache_dir={work / 'sft-cache' / name}", *COMMON, *overrides, *extra]
     site = work / "site"
     site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text("import torch\ntorch.manual_seed(0)\n")
@@ -120,13 +123,16 @@ def main() -> int:
                         help="folder holding default.yaml and moe.yaml (default: this checkout's)")
     parser.add_argument("--only", help="comma-separated subset of: " + ", ".join(RUNS))
     parser.add_argument("--work", help="where the runs go (default: a temporary folder)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every run, e.g. a new key that keeps an older "
+                             "behaviour (train.minibatch_by=rows against a reference from before it)")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(RUNS)
     store = Path(args.record or args.compare)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gspo-golden-"))
     failed = 0
     for name in names:
-        final = Path(train(name, Path(args.configs), work))
+        final = Path(train(name, Path(args.configs), work, args.set))
         rows, tensors = metrics(work / name), weights(final)
         if args.record:
             (store / name).mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,22 @@ def test_rank_minibatches_are_the_single_process_minibatches(monkeypatch):
         assert sorted(union.tolist()) == sorted(part.tolist())
 
 
+def test_rank_minibatches_of_groups_are_the_single_process_minibatches(monkeypatch):
+    """train.minibatch_by=groups under ranks: each rank holds whole groups of G; the union over
+    ranks of minibatch m is the single process's minibatch m, and no group is split."""
+    G, sizes = 4, [12, 8, 8]
+    single = split_minibatches(sum(sizes), 3, torch.Generator().manual_seed(5), G)
+    monkeypatch.setattr(Dist, "sizes", lambda self, n: sizes)
+    per_rank = [Dist(rank=r, world=3).minibatch_rows(sizes[r], 3, torch.Generator().manual_seed(5), G)
+                for r in range(3)]
+    offsets = [0, 12, 20]
+    for m, part in enumerate(single):
+        union = torch.cat([rows[m] + off for rows, off in zip(per_rank, offsets)])
+        assert sorted(union.tolist()) == sorted(part.tolist())
+        for rows in per_rank:
+            assert len(rows[m]) % G == 0 and bool((rows[m].view(-1, G)[:, 0] % G == 0).all())
+
+
 def test_metric_reduction_rules():
     c = distributed._combine
     assert c("policy/loss", [(1.0, 5), (2.0, 0)]) == 3.0                  # parts of a global loss

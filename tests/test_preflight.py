@@ -35,6 +35,8 @@ def _fails(capsys, tmp_path, *argv: str, command: str = "train") -> str:
     ("objective.eps_high=-0.1", "objective.eps_high: Input should be greater than 0"),
     ("rollout.group_size=1", "rollout.group_size: Input should be greater than or equal to 2"),
     ("train.minibatches=3", "train.minibatches=3 must divide the batch"),
+    ("train.minibatches=64", "train.minibatch_by=groups deals whole groups: train.minibatches=64 needs at least as many rollout.prompts_per_step, not 32"),
+    ("train.minibatch_by=prompts", "train.minibatch_by: Input should be 'groups' or 'rows'"),
     ("rollout.temperature=0", "rollout.temperature: Input should be greater than 0"),
     ("eval.temperature=-1", "eval.temperature: Input should be greater than 0"),
     ("objective.name=gspp", "objective.name: unknown objective 'gspp'; did you mean 'gspo'?"),

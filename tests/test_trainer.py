@@ -377,3 +377,22 @@ def test_split_minibatches_partitions():
     other = split_minibatches(10, 4, torch.Generator().manual_seed(1))
     assert not all(torch.equal(a, b) for a, b in zip(parts, other))
     assert [len(p) for p in split_minibatches(16, 4, torch.Generator())] == [4] * 4
+
+
+def test_split_minibatches_by_groups_deals_whole_groups():
+    """train.minibatch_by=groups: 6 groups of 4 consecutive rows into 4 minibatches; each group
+    lands whole in one minibatch, the groups are shuffled, and G = 1 is the row split itself."""
+    parts = split_minibatches(24, 4, torch.Generator().manual_seed(0), group_size=4)
+    assert [len(p) for p in parts] == [8, 8, 4, 4]                       # 2, 2, 1, 1 groups
+    assert sorted(torch.cat(parts).tolist()) == list(range(24))
+    for p in parts:
+        groups = p.view(-1, 4)
+        assert torch.equal(groups - groups[:, :1], torch.arange(4).expand_as(groups))
+        assert bool((groups[:, 0] % 4 == 0).all())
+    draws = [split_minibatches(24, 4, torch.Generator().manual_seed(s), 4) for s in range(6)]
+    assert len({tuple(int(p[0]) for p in d) for d in draws}) > 1        # the seed shuffles groups
+    rows = split_minibatches(24, 4, torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in
+               zip(rows, split_minibatches(24, 4, torch.Generator().manual_seed(0), 1)))
+    with pytest.raises(ValueError, match="whole groups"):
+        split_minibatches(10, 2, torch.Generator(), group_size=4)

@@ -413,6 +413,8 @@ class TrainLoopConfig(Section):
     """RL steps (one rollout batch each)."""
     minibatches: int = Field(4, ge=1)
     """M: optimizer steps per rollout batch (the paper uses 4)."""
+    minibatch_by: Literal["groups", "rows"] = "groups"
+    """How the batch is dealt into the M minibatches: groups (whole groups of G responses to one prompt, shuffled; each prompt's columns then run once per step in the forward/backward, not once per minibatch; needs rollout.prompts_per_step >= M, and minibatches differ by a group when M does not divide it) | rows (every response on its own, shuffled: each minibatch sees most prompts). Measured in docs/performance.md (speed) and docs/math.md (learning)."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     warmup_steps: int = Field(0, ge=0)
@@ -646,6 +648,11 @@ class TrainConfig(Section):
             raise ValueError(
                 f"train.minibatches={self.train.minibatches} must divide the batch "
                 f"rollout.prompts_per_step*group_size={n}")
+        if self.train.minibatch_by == "groups" and self.rollout.prompts_per_step < self.train.minibatches:
+            raise ValueError(
+                f"train.minibatch_by=groups deals whole groups: train.minibatches="
+                f"{self.train.minibatches} needs at least as many rollout.prompts_per_step, not "
+                f"{self.rollout.prompts_per_step} (or use train.minibatch_by=rows)")
         if self.moe.routing_replay == "old" and self.train.old_logprobs != "recompute":
             raise ValueError("moe.routing_replay=old captures experts in the recomputed old-log-prob "
                              "pass: it needs train.old_logprobs=recompute (or use routing_replay=rollout)")
@@ -725,6 +732,11 @@ class TrainConfig(Section):
     def batch_size(self) -> int:
         """N = P x G sequences per RL step (derived)."""
         return self.rollout.prompts_per_step * self.rollout.group_size
+
+    @property
+    def minibatch_unit(self) -> int:
+        """Rows dealt together into minibatches (derived): G under train.minibatch_by=groups, else 1."""
+        return self.rollout.group_size if self.train.minibatch_by == "groups" else 1
 
     def objective_kwargs(self) -> dict:
         """Keyword arguments of the policy loss (derived): the clip range and aggregation when

@@ -65,9 +65,19 @@ class DataCursor:
         self.epoch, self.index, self.order = state["epoch"], state["index"], []
 
 
-def split_minibatches(n: int, m: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """A shuffled partition of range(n) into m nearly equal index sets."""
-    return list(torch.randperm(n, generator=generator).tensor_split(min(m, n)))
+def split_minibatches(n: int, m: int, generator: torch.Generator, group_size: int = 1
+                      ) -> list[torch.Tensor]:
+    """A shuffled partition of range(n) into m nearly equal index sets. ``group_size`` G > 1: the
+    units dealt are the n / G groups of G consecutive rows (a prompt's responses), kept whole,
+    so that each prompt is in one minibatch (train.minibatch_by=groups)."""
+    if group_size == 1:
+        return list(torch.randperm(n, generator=generator).tensor_split(min(m, n)))
+    if n % group_size:
+        raise ValueError(f"{n} rows are not whole groups of {group_size}")
+    groups = torch.randperm(n // group_size, generator=generator)                 # [n / G]
+    within = torch.arange(group_size)                                              # [G]
+    return [(part[:, None] * group_size + within).reshape(-1)                      # [|part| * G]
+            for part in groups.tensor_split(min(m, n // group_size))]
 
 
 def rollout_seed(run_seed: int, step: int, rnd: int = 0) -> int:

@@ -229,7 +229,7 @@ class PPO:
         gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
         collected: dict[str, list[Tensor]] = {k: [v] for k, v in pend["stats"].items()}
         self.critic.train()
-        for idx in split_minibatches(len(returns), cfg.train.minibatches, gen):
+        for idx in split_minibatches(len(returns), cfg.train.minibatches, gen, cfg.minibatch_unit):
             idx = idx.to(values.device)
             mb = batch.select(idx)
             v = self.critic(mb.input_ids, mb.attention_mask, mask[idx])               # [m, T]

@@ -7,7 +7,8 @@ as one object, ``Dist``, that the trainer calls at a few points:
   (``shard``), so a prompt's G responses never leave their rank and group advantages stay local;
   the global batch is the ranks' rows concatenated in rank order, the single process's batch;
 * minibatches: ``minibatch_rows`` draws the single process's shuffled partition of the GLOBAL
-  batch (same seed) and keeps this rank's rows, so minibatch m on K ranks is the union over ranks
+  batch (same seed; whole groups under train.minibatch_by=groups, a rank's share being whole
+  groups) and keeps this rank's rows, so minibatch m on K ranks is the union over ranks
   of their shares and equals minibatch m of one process (a rank without rows in it runs one
   masked-out row, to stay in step);
 * normalisers: ``global_counts`` all-reduces the minibatch's non-empty responses and response
@@ -43,6 +44,7 @@ from torch import Tensor, nn
 
 from gspo.core.logprobs import decoder_and_head, response_logprobs
 from gspo.errors import UserError, WriteFailed
+from gspo.rollout.collect import split_minibatches
 from gspo.training import checkpoint
 
 STRATEGIES = ("ddp", "fsdp")
@@ -222,17 +224,19 @@ class Dist:
         """Sampling seed of this rank: rank 0 keeps the single-process seed, the others differ."""
         return base + self.rank * RANK_SEED_STRIDE
 
-    def minibatch_rows(self, n: int, m: int, generator: torch.Generator) -> list[Tensor]:
+    def minibatch_rows(self, n: int, m: int, generator: torch.Generator, group_size: int = 1
+                       ) -> list[Tensor]:
         """This rank's rows of each of the m minibatches, as local indices.
 
-        The partition is the single process's: ``randperm(N_glob).tensor_split(m)`` of the global
-        batch (ranks' rows in rank order), restricted to rows [start, start + n) of this rank.
-        A minibatch may hold no row of this rank (an empty index)."""
+        The partition is the single process's (``split_minibatches`` of the global batch, ranks'
+        rows in rank order, whole groups of ``group_size`` dealt when it is > 1: every rank holds
+        whole groups), restricted to rows [start, start + n) of this rank. A minibatch may hold
+        no row of this rank (an empty index)."""
         if not self.enabled:
-            return list(torch.randperm(n, generator=generator).tensor_split(min(m, n)))
+            return split_minibatches(n, m, generator, group_size)
         sizes = self.sizes(n)
         start, total = sum(sizes[:self.rank]), sum(sizes)
-        parts = torch.randperm(total, generator=generator).tensor_split(min(m, total))
+        parts = split_minibatches(total, m, generator, group_size)
         return [p[(p >= start) & (p < start + n)] - start for p in parts]
 
     def global_counts(self, mask: Tensor) -> dict[str, Tensor]:

@@ -57,7 +57,8 @@ class Ranks(Protocol):
     """The FSDP root when the model is sharded (every forward a collective), else None."""
 
     def any(self, flag: bool) -> bool: ...
-    def minibatch_rows(self, n: int, m: int, generator: torch.Generator) -> list[Tensor]: ...
+    def minibatch_rows(self, n: int, m: int, generator: torch.Generator,
+                       group_size: int = 1) -> list[Tensor]: ...
     def global_counts(self, mask: Tensor) -> dict[str, Tensor]: ...
     def token_share(self, mask: Tensor, counts: dict) -> Tensor | float: ...
     def sync_grads(self, model: torch.nn.Module, loss: Tensor) -> Tensor: ...
@@ -197,7 +198,8 @@ class RLStep:
         every row, π_old of every row from the old-log-prob pass."""
         cfg = self.cfg
         gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
-        minibatches = self.ranks.minibatch_rows(len(advantages), cfg.train.minibatches, gen)  # this rank's
+        minibatches = self.ranks.minibatch_rows(len(advantages), cfg.train.minibatches, gen,
+                                                cfg.minibatch_unit)                       # this rank's
         if not optimize or self.ranks.policy is not None:  # fsdp: forwards are collectives, none skipped
             return plan_update(minibatches, None, reuse_first=False)
         skip = self.skips_rows and not self.audit.due(step)
