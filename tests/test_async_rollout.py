@@ -108,24 +108,46 @@ def test_stale_batches_are_one_step_old_and_change_the_run(stale, make_cfg, rewa
 
 
 def test_old_logprobs_of_a_stale_batch_are_the_behaviour_policys(stale, small_config):
-    """π_old of batch 2 (sampled by version 1) = log-probs under the step-1 checkpoint, not θ_2."""
+    """π_old of batch 2 (sampled by version 1) = log-probs under the step-1 checkpoint, not θ_2.
+    Here the sampler is transformers on the worker's float32 policy, so they are the sampler's
+    own, for every row (sampler_is_behaviour), and the batch carries no sampler log-probs."""
     cfg = small_config(stale.root, "sft.enabled=false")
     batch = stale.seen[2]
     old = batch.extras["behaviour_logp"]                                         # [N, T]
     assert "behaviour_logp" not in stale.seen[0].extras    # on-policy: the trainer recomputes
-    rewards = torch.tensor([float(ord(c[0]) % 2) if c else 0.0 for c in batch.completions])
-    rows = async_rollout.behaviour_rows(rewards, cfg.rollout.group_size)
-    assert 0 < len(rows)
+    assert batch.rollout_logp is None and stale.seen[0].rollout_logp is None
     behaviour, _ = load_model(f"{stale.run}/checkpoints/step_000001")
     current, _ = load_model(f"{stale.run}/checkpoints/step_000002")
-    mb = batch.select(rows)
     with torch.no_grad():
-        want = response_logprobs(behaviour, mb.input_ids, mb.attention_mask, mb.response_mask,
-                                 temperature=cfg.rollout.temperature).logp        # [n, T]
-        newer = response_logprobs(current, mb.input_ids, mb.attention_mask, mb.response_mask,
-                                  temperature=cfg.rollout.temperature).logp
-    torch.testing.assert_close(old[rows], want, atol=2e-5, rtol=0)
+        want = response_logprobs(behaviour, batch.input_ids, batch.attention_mask,
+                                 batch.response_mask, temperature=cfg.rollout.temperature).logp
+        newer = response_logprobs(current, batch.input_ids, batch.attention_mask,
+                                  batch.response_mask, temperature=cfg.rollout.temperature).logp
+    torch.testing.assert_close(old, want, atol=2e-5, rtol=0)                      # every row
     assert (newer - want).abs().max() > 1e-4      # the trained weights would give other values
+
+
+def test_behaviour_logprobs_come_from_the_sampler_only_where_it_is_the_behaviour_policy(
+        small_config, tmp_path, monkeypatch):
+    """The sampler's log-probs stand for π_v only when the sampler is the worker's policy itself
+    (hf, its own dtype), under the behaviour ratio, for a dense model, when the config does not
+    keep them as a mismatched sampler's, and when generate's logits stack fits the budget."""
+    worker = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=40)))
+    dense = SimpleNamespace(is_moe=False)
+    ok = lambda *o, passes=dense: async_rollout.sampler_is_behaviour(  # noqa: E731
+        small_config(tmp_path, "rollout.async=true", *o), worker, passes)
+    assert ok()
+    assert not ok("rollout.dtype=bfloat16")
+    assert not ok("train.log_rollout_logprobs=true")
+    assert not ok("train.rollout_correction.mode=seq_tis")
+    assert not ok("rollout.async_ratio=decoupled", "train.rollout_correction.mode=seq_tis")
+    assert not ok(passes=SimpleNamespace(is_moe=True))
+    cfg = small_config(tmp_path, "rollout.async=true")
+    need = cfg.batch_size * cfg.rollout.max_new_tokens * 40 * 4               # N x T x V x 4 bytes
+    monkeypatch.setattr(async_rollout, "SAMPLER_LOGPROBS_BYTES", need)
+    assert ok()
+    monkeypatch.setattr(async_rollout, "SAMPLER_LOGPROBS_BYTES", need - 1)
+    assert not ok()
 
 
 def test_resume_at_staleness_one_is_exact(stale):

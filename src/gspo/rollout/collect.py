@@ -168,6 +168,9 @@ class Collector:
     shards: Shards
     device: torch.device
     engine: engines.Engine | None = None   # rollout.engine, built on first use (``sampler``)
+    keep_logprobs: bool = False
+    """Ask the sampler for its log-probs even when the config does not (the async worker takes
+    them as the behaviour policy's, gspo.training.async_rollout.sampler_is_behaviour)."""
 
     @property
     def sampling(self) -> SamplingParams:
@@ -216,7 +219,8 @@ class Collector:
     def generate(self, examples, seed: int) -> RolloutBatch:
         cfg, engine = self.cfg, self.sampler()
         with_logprobs = (cfg.train.old_logprobs == "rollout" or cfg.train.log_rollout_logprobs
-                         or cfg.train.rollout_correction.mode != "none" or engine.always_logprobs)
+                         or cfg.train.rollout_correction.mode != "none" or engine.always_logprobs
+                         or self.keep_logprobs)
         if engine.module is None:   # an engine with its own kernels (vllm): token ids in and out
             return engines.generate_batch(engine, self.tokenizer, examples, self.sampling,
                                           group_size=cfg.rollout.group_size, seed=seed,

@@ -174,6 +174,7 @@ def make_batches(cfg, worker: Collector, passes: LogprobPasses, step: int, *, sk
     log-probs when stale, and ``put`` (k, v, collected, the data cursor after it, seconds)."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)     # this thread's pool (module docstring)
+    worker.keep_logprobs = sampler_is_behaviour(cfg, worker, passes)
     version = None
     for k in range(step, cfg.train.steps):
         v = behaviour_version(k, cfg.rollout.max_staleness)
@@ -189,23 +190,53 @@ def make_batches(cfg, worker: Collector, passes: LogprobPasses, step: int, *, sk
             collected = worker.collect(k)
         t0 = time.perf_counter()
         if k > v:
-            behaviour_logp(cfg, skip_rows, passes, *collected[:2])
+            behaviour_logp(cfg, skip_rows, passes, *collected[:2],
+                           from_sampler=worker.keep_logprobs)
+        elif worker.keep_logprobs and collected[0] is not None:
+            collected[0].rollout_logp = None        # on-policy: the synchronous path, unchanged
         seconds = {"async/worker_old_logprobs_s": time.perf_counter() - t0,
                    "async/wait_s/worker": waited}
         put((k, v, collected, worker.cursor.state(), seconds))
 
 
-def behaviour_logp(cfg, skip_rows: bool, passes: LogprobPasses, batch, rewards) -> None:
+def behaviour_logp(cfg, skip_rows: bool, passes: LogprobPasses, batch, rewards, *,
+                   from_sampler: bool = False) -> None:
     """π_old of a stale batch under the weights that sampled it (the worker's ``passes``), for
     the rows that may carry a gradient (all rows when the trainer would forward every row, or
-    when the generator's log-probs are kept: the mismatch metrics and correction read them all)."""
+    when the generator's log-probs are kept: the mismatch metrics and correction read them all).
+    ``from_sampler``: the sampler's own log-probs are taken instead (``sampler_is_behaviour``),
+    and the batch carries none (it is not a mismatched sampler's)."""
     if batch is None or cfg.train.old_logprobs == "rollout":   # rollout: π_v's already
         return
     if cfg.rollout.async_ratio == "decoupled":  # the sampler's log-probs (the correction asks
         return       # for them) are π_v's; the trainer recomputes π_old = π_prox itself
+    if from_sampler:
+        batch.extras["behaviour_logp"], batch.rollout_logp = batch.rollout_logp, None  # [N, T]
+        return
     every_row = not skip_rows or batch.rollout_logp is not None   # mismatch reads them all
     rows = None if every_row else behaviour_rows(rewards, cfg.rollout.group_size)
     batch.extras["behaviour_logp"] = passes.old_logprobs(batch, rows)            # [N, T]
+
+
+SAMPLER_LOGPROBS_BYTES = 256 * 2**20
+"""Largest [N, T, V] float32 stack of a batch's logits the hf sampler may keep for its log-probs
+(``sampler_is_behaviour``); past it the worker's chunked log-prob pass is used."""
+
+
+def sampler_is_behaviour(cfg, worker: Collector, passes: LogprobPasses) -> bool:
+    """Whether the worker takes π_v of a stale batch from the sampler's own log-probs, saving its
+    log-prob pass: the sampler is transformers on the worker's policy itself (same weights, same
+    float32 math up to rounding), with the behaviour ratio, a dense model (MoE: the pass also
+    records π_old's experts), the config not asking for the sampler's log-probs otherwise (then
+    they are a mismatched sampler's, kept as such), and the logits stack ``generate`` keeps for
+    them within ``SAMPLER_LOGPROBS_BYTES``."""
+    r, t = cfg.rollout, cfg.train
+    if (r.engine != "hf" or r.dtype != "model" or r.async_ratio != "behaviour" or passes.is_moe
+            or t.old_logprobs != "recompute" or t.log_rollout_logprobs
+            or t.rollout_correction.mode != "none"):
+        return False
+    vocab = worker.model.config.vocab_size
+    return cfg.batch_size * r.max_new_tokens * vocab * 4 <= SAMPLER_LOGPROBS_BYTES
 
 
 # ---------------------------------------------------------------------------- the trainer's side
