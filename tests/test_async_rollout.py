@@ -188,12 +188,15 @@ def test_a_stop_saves_and_joins_the_worker(make_cfg, reward_module):
     assert [r["step"] for r in read_metrics(trainer.run_dir)] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("kind", ["process", "thread"])
-def test_settle_returns_once_the_worker_waits_for_new_weights(fresh, kind):
+@pytest.mark.parametrize("kind, ratio", [("process", "behaviour"), ("thread", "behaviour"),
+                                         ("process", "decoupled")])
+def test_settle_returns_once_the_worker_waits_for_new_weights(fresh, kind, ratio):
     """After step 0 and the weights of version 1, the worker can make batches 1 (version 0) and 2
-    (version 1), then must wait for version 2: settle returns once it has both, not before."""
+    (version 1), then must wait for version 2: settle returns once it has both, not before
+    (decoupled: with π_prox of batch 1 between them)."""
     t = fresh("rollout.async=true", "rollout.max_staleness=1", "train.steps=4",
-              f"rollout.async_worker={kind}")
+              f"rollout.async_worker={kind}", f"rollout.async_ratio={ratio}",
+              "train.rollout_correction.mode=" + ("seq_tis" if ratio == "decoupled" else "none"))
     try:
         t.step(0)
         t.rollouts.publish(1)
@@ -303,7 +306,7 @@ def test_the_rl_update_leaves_torchs_global_rng_alone(fresh, monkeypatch, checkp
     batch, rewards, metrics = t.collector.collect(0)
     assert rewards.view(-1, t.cfg.rollout.group_size).std(-1).gt(0).any(), "a signal to train on"
     t.step.collector = SimpleNamespace(collect=lambda step: (batch, rewards, metrics),
-                                       seed=t.collector.seed)
+                                       seed=t.collector.seed, proximal=lambda step: None)
     sets, set_rng_state = [], torch.set_rng_state
     monkeypatch.setattr(torch, "set_rng_state", lambda state: (sets.append(1), set_rng_state(state)))
     before = torch.get_rng_state()
@@ -370,29 +373,104 @@ def test_the_decoupled_ratio_by_hand():
     torch.testing.assert_close(theta.grad, torch.tensor([[0.0, -0.30]]))
 
 
-def test_decoupled_takes_pi_old_from_the_trainer_and_weighs_it_to_the_sampler(tmp_path, small_config,
-                                                                               reward_module):
-    """rollout.async_ratio=decoupled, s = 1: the worker takes no log-probs; the trainer's π_old of
-    the stale batch 2 is its own weights after step 2 (the proximal policy), so mismatch/kl of
-    step 3 is KL(π_v ‖ π_prox) from the sampler's log-probs and that checkpoint's, not the
-    float noise of the on-policy step 1."""
-    with recorded_batches() as seen:
-        run = _run(lambda *o, run="run": small_config(tmp_path, *o, run=run), reward_module,
-                   "rollout.async=true", "rollout.max_staleness=1", "rollout.async_ratio=decoupled",
-                   "train.rollout_correction.mode=tis")
-    rows = read_metrics(run)[1:]
+@pytest.fixture(scope="module")
+def decoupled(tmp_path_factory, small_config, reward_module):
+    """A 3-step run at s = 1 with rollout.async_ratio=decoupled (tis), the batches the trainer
+    got and the π_prox the worker handed over for each stale one."""
+    root = tmp_path_factory.mktemp("decoupled")
+    make_cfg = lambda *o, run="run": small_config(root, *o, run=run)  # noqa: E731
+    extra = ("rollout.async=true", "rollout.max_staleness=1", "rollout.async_ratio=decoupled",
+             "train.rollout_correction.mode=tis")
+    handed, original = {}, async_rollout.AsyncSource._take_proximal
+
+    def recording(self, step):
+        handed[step] = original(self, step)
+        return handed[step]
+    async_rollout.AsyncSource._take_proximal = recording
+    try:
+        with recorded_batches() as seen:
+            run = _run(make_cfg, reward_module, *extra)
+    finally:
+        async_rollout.AsyncSource._take_proximal = original
+    return SimpleNamespace(root=root, make_cfg=make_cfg, run=run, seen=seen, handed=handed,
+                           extra=extra, reward=reward_module, rows=read_metrics(run))
+
+
+def test_decoupled_takes_pi_prox_from_the_worker_and_weighs_it_to_the_sampler(decoupled,
+                                                                             small_config):
+    """rollout.async_ratio=decoupled, s = 1: the worker takes no π_v log-probs (the sampler's are
+    π_v's); for the stale batch 2 it hands over π_prox of the rows with a signal outside the
+    first minibatch, under the weights after step 2 (its checkpoint), and mismatch/kl of step 3
+    is KL(π_v ‖ π_prox) over the rows trained on, not the float noise of the on-policy step 1."""
+    rows = decoupled.rows[1:]
     assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
-    batch = seen[2]
+    assert "async/worker_proximal_s" in rows[2] and "async/worker_proximal_s" not in rows[0]
+    assert sorted(decoupled.handed) == [1, 2]                  # each stale batch, once
+    batch, got = decoupled.seen[2], decoupled.handed[2]
     assert "behaviour_logp" not in batch.extras and batch.rollout_logp is not None
-    proximal, _ = load_model(f"{run}/checkpoints/step_000002")
-    cfg = small_config(tmp_path, "sft.enabled=false")
+    cfg = small_config(decoupled.root, "sft.enabled=false", *decoupled.extra)
+    rewards = torch.tensor([float(ord(c[0]) % 2) if c else 0.0 for c in batch.completions])
+    signal = async_rollout.behaviour_rows(rewards, cfg.rollout.group_size)
+    assert torch.equal(got.rows, async_rollout.proximal_rows(cfg, rewards, 2, skip_rows=True))
+    assert 0 < len(got.rows) < len(signal)                     # the first minibatch's are not in
+    proximal, _ = load_model(f"{decoupled.run}/checkpoints/step_000002")
     with torch.no_grad():
-        prox = response_logprobs(proximal, batch.input_ids, batch.attention_mask, batch.response_mask,
-                                 temperature=cfg.rollout.temperature).logp               # [N, T]
+        prox = response_logprobs(proximal, batch.input_ids, batch.attention_mask,
+                                 batch.response_mask, temperature=cfg.rollout.temperature).logp
+    torch.testing.assert_close(got.logp, prox[got.rows], atol=2e-5, rtol=0)
     mask = loss_mask(batch, cfg.train.mask_truncated)                                   # [N, T]
-    want = objectives.masked_mean(objectives.kl_k3(batch.rollout_logp, prox), mask)
+    want = objectives.masked_mean(objectives.kl_k3(batch.rollout_logp[signal], prox[signal]),
+                                  mask[signal])
     assert abs(rows[2]["mismatch/kl"] - want.item()) < 1e-5
     assert rows[2]["mismatch/kl"] > 100 * max(rows[0]["mismatch/kl"], 1e-9)
+
+
+def test_decoupled_runs_repeat_across_workers_and_resume(decoupled):
+    """The thread worker's run equals the process worker's, and a resume from step 1 equals the
+    uninterrupted run (metrics and weights): π_prox from the worker is as reproducible as the
+    batches are."""
+    thread = _run(decoupled.make_cfg, decoupled.reward, *decoupled.extra,
+                  "rollout.async_worker=thread", run="thread")
+    assert _strip(read_metrics(thread)) == _strip(decoupled.rows)
+    run = decoupled.root / "resumed"
+    shutil.copytree(decoupled.run, run)
+    for step in (2, 3):
+        shutil.rmtree(run / "checkpoints" / f"step_{step:06d}")
+    (run / "summary.json").unlink()
+    _run(decoupled.make_cfg, decoupled.reward, *decoupled.extra, run="resumed", resume=True)
+    assert _strip(read_metrics(run)) == _strip(decoupled.rows)
+    for other in (thread, run):
+        a, b = _weights(other, 3), _weights(decoupled.run, 3)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("mode", ["tis", "seq_tis", "icepop", "seq_mask"])
+def test_the_correction_taken_per_minibatch_is_the_whole_batchs(mode):
+    """LateProximal corrects each minibatch's rows as their π_prox comes in; every correction is
+    row-local, so those rows get the advantages and mask the whole-batch correction gives them
+    (float64, exactly), and the rows it never corrects keep theirs."""
+    from gspo.training.proximal import LateProximal
+    gen = torch.Generator().manual_seed(0)
+    N, T = 8, 5
+    mask = (torch.rand(N, T, generator=gen) > 0.2).double()
+    prox = -torch.rand(N, T, generator=gen, dtype=torch.float64) * 2
+    v = prox + 0.6 * torch.randn(N, T, generator=gen, dtype=torch.float64)
+    adv = torch.randn(N, generator=gen, dtype=torch.float64)
+    spec = correction.spec(mode)
+    for per_row in (True, False):
+        whole = spec.fn(prox, v, mask)
+        want_adv = correction.weighted_advantages(adv, whole.weight, mask, per_row=per_row)
+        late = LateProximal(None, v, adv, mask, mode=mode, params={}, per_row=per_row)
+        loss_mask = mask.clone()
+        for rows in (torch.tensor([5, 1]), torch.tensor([0, 6, 3])):      # row 2, 4, 7: no signal
+            late.correct(rows, prox, loss_mask)
+        done = torch.tensor([0, 1, 3, 5, 6])
+        assert torch.equal(late.advantages[done], want_adv[done])
+        assert torch.equal(loss_mask[done], (mask * whole.mask)[done])
+        rest = torch.tensor([2, 4, 7])
+        assert torch.equal(loss_mask[rest], mask[rest])
+        kept = adv if late.advantages.dim() == 1 else adv[:, None].expand(N, T)
+        assert torch.equal(late.advantages[rest], kept[rest])
 
 
 @pytest.mark.parametrize("override, needle", [

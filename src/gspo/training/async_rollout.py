@@ -85,7 +85,7 @@ from gspo.core import objectives
 from gspo.errors import UserError
 from gspo.models.presets import dropout_rates
 from gspo.rewards.isolation import isolated_rewards
-from gspo.rollout.collect import Collector
+from gspo.rollout.collect import Collector, minibatch_seed, split_minibatches
 from gspo.training.passes import LogprobPasses
 
 BEHAVIOUR_FILE = "behaviour-{version}.safetensors"
@@ -147,6 +147,9 @@ class SyncSource:
     def collect(self, step: int):
         return self.collector.collect(step)
 
+    def proximal(self, step: int) -> None:
+        return None                             # the trainer computes π_old
+
     def seed(self, step: int, rnd: int = 0) -> int:
         return self.collector.seed(step, rnd)
 
@@ -174,10 +177,13 @@ def make_batches(cfg, worker: Collector, passes: LogprobPasses, step: int, *, sk
     log-probs when stale, and ``put`` (k, v, collected, the data cursor after it, seconds)."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)     # this thread's pool (module docstring)
-    worker.keep_logprobs = sampler_is_behaviour(cfg, worker, passes)
     version = None
-    for k in range(step, cfg.train.steps):
-        v = behaviour_version(k, cfg.rollout.max_staleness)
+    worker.keep_logprobs = sampler_is_behaviour(cfg, worker, passes)
+    decoupled = proximal_from_worker(cfg)
+    due: dict[int, tuple] = {}     # step -> (batch, rewards): stale batches whose π_prox is owed
+    s = cfg.rollout.max_staleness
+    for k in range(step, cfg.train.steps + (s if decoupled else 0)):
+        v = behaviour_version(k, s)
         t0 = time.perf_counter()
         weights = await_weights(v)
         waited = time.perf_counter() - t0
@@ -186,6 +192,10 @@ def make_batches(cfg, worker: Collector, passes: LogprobPasses, step: int, *, sk
         if v != version:
             worker.model.load_state_dict(weights)
             version = v
+        if v in due:     # the weights of version v are π_prox of the batch of step v: the trainer
+            put(proximal_logp(cfg, passes, v, *due.pop(v), skip_rows=skip_rows))  # starts it now
+        if k >= cfg.train.steps:                   # (the last s steps' π_prox only)
+            continue
         with rng_lock:
             collected = worker.collect(k)
         t0 = time.perf_counter()
@@ -196,7 +206,45 @@ def make_batches(cfg, worker: Collector, passes: LogprobPasses, step: int, *, sk
             collected[0].rollout_logp = None        # on-policy: the synchronous path, unchanged
         seconds = {"async/worker_old_logprobs_s": time.perf_counter() - t0,
                    "async/wait_s/worker": waited}
+        if decoupled and k > v and collected[0] is not None:
+            due[k] = collected[:2]
         put((k, v, collected, worker.cursor.state(), seconds))
+
+
+@dataclasses.dataclass
+class Proximal:
+    """What the worker hands over for a stale batch under the decoupled ratio: log π_prox of
+    ``rows`` under the weights of version ``step`` (the trainer's at the start of that step)."""
+    step: int
+    rows: torch.Tensor          # [n] CPU, rows of the rollout batch
+    logp: torch.Tensor          # [n, T]
+    seconds: dict               # async/worker_proximal_s (its pass), then async/wait_s/proximal
+
+
+def proximal_from_worker(cfg) -> bool:
+    """rollout.async_ratio=decoupled with a recomputed π_old: the worker computes π_prox of each
+    stale batch's later minibatches while the trainer runs the first (docs/performance.md)."""
+    return cfg.rollout.async_ratio == "decoupled" and cfg.train.old_logprobs == "recompute"
+
+
+def proximal_rows(cfg, rewards: torch.Tensor, step: int, *, skip_rows: bool) -> torch.Tensor:
+    """CPU rows whose π_prox the worker computes for the batch of ``step``: those that may carry
+    a gradient (``behaviour_rows``; all when no row is skipped) outside the first minibatch of
+    that step's split (whose π_prox is the trainer's own first forward, before any update)."""
+    n = len(rewards)
+    gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
+    first = split_minibatches(n, cfg.train.minibatches, gen, cfg.minibatch_unit)[0]
+    rows = behaviour_rows(rewards, cfg.rollout.group_size) if skip_rows else torch.arange(n)
+    return rows[~torch.isin(rows, first)]
+
+
+def proximal_logp(cfg, passes: LogprobPasses, step: int, batch, rewards, *,
+                  skip_rows: bool) -> Proximal:
+    """``Proximal`` of the batch of ``step``, under the weights ``passes`` holds now."""
+    t0 = time.perf_counter()
+    rows = proximal_rows(cfg, rewards, step, skip_rows=skip_rows)
+    logp = passes.old_logprobs(batch, rows)[rows.to(batch.input_ids.device)]        # [n, T]
+    return Proximal(step, rows, logp, {"async/worker_proximal_s": time.perf_counter() - t0})
 
 
 def behaviour_logp(cfg, skip_rows: bool, passes: LogprobPasses, batch, rewards, *,
@@ -263,6 +311,7 @@ class AsyncSource:
         self._received: list = []              # items the worker made that collect has not taken
         self._done = False                     # the worker has said DONE (or failed)
         self._started = False
+        self._stale = False                    # the batch collect handed over last is stale
         self.dropped = 0
 
     def seed(self, step: int, rnd: int = 0) -> int:
@@ -274,14 +323,11 @@ class AsyncSource:
         if not self._started:
             self._start(step)
         t0 = time.perf_counter()
-        item = self._received.pop(0) if self._received else self.worker.receive()
+        item = self._next(lambda x: not isinstance(x, Proximal), f"the batch of step {step}")
         waited = time.perf_counter() - t0
-        if isinstance(item, BaseException):
-            raise item
-        if item == DONE:
-            raise RuntimeError(f"async rollouts: the worker stopped before the batch of step {step}")
         made_for, version, (batch, rewards, metrics), cursor, worker = item
         assert made_for == step, f"async rollouts: batch of step {made_for} offered at step {step}"
+        self._stale = step > version and batch is not None
         self.collector.cursor.load(cursor)
         metrics = {**metrics,
                    "async/worker_generate_s": metrics.pop("time/generate_s", 0.0),
@@ -292,6 +338,40 @@ class AsyncSource:
                    # the step's own breakdown: generation is what the trainer waited for
                    "time/generate_s": waited, "time/reward_s": 0.0}
         return batch, rewards, metrics
+
+    def proximal(self, step: int) -> Callable[[], Proximal] | None:
+        """Under the decoupled ratio, for the stale batch of ``step`` just collected: a call that
+        returns the worker's ``Proximal`` of it (waiting if need be; its wait is in
+        ``seconds``), made beside the update's first minibatch. None: the trainer computes π_old."""
+        if not (self._stale and proximal_from_worker(self.cfg)):
+            return None
+        return lambda: self._take_proximal(step)
+
+    def _take_proximal(self, step: int) -> Proximal:
+        t0 = time.perf_counter()
+        item = self._next(lambda x: isinstance(x, Proximal) and x.step == step,
+                          f"the proximal log-probs of step {step}")
+        item.seconds["async/wait_s/proximal"] = time.perf_counter() - t0
+        return item
+
+    def _next(self, wanted: Callable, what: str):
+        """The first item the worker made that is ``wanted`` (those before it are kept, in order,
+        for later calls); raises the worker's error, or a RuntimeError if it stopped first."""
+        for i, item in enumerate(self._received):
+            if isinstance(item, BaseException) or item == DONE or wanted(item):
+                self._received.pop(i)
+                break
+        else:
+            while True:
+                item = self.worker.receive()
+                if isinstance(item, BaseException) or item == DONE or wanted(item):
+                    break
+                self._received.append(item)
+        if isinstance(item, BaseException):
+            raise item
+        if item == DONE:
+            raise RuntimeError(f"async rollouts: the worker stopped before {what}")
+        return item
 
     def publish(self, version: int) -> None:
         """The trainer's weights are now those of ``version``: a copy to the worker. Versions
@@ -327,7 +407,7 @@ class AsyncSource:
         if not self._started or self._done:
             return
         last = min(self.cfg.train.steps - 1, max(self._weights) + self.s)  # v(last) published
-        while not self._done and not (self._received and self._made(self._received[-1]) >= last):
+        while not self._done and max(self.ready_steps, default=-1) < last:
             item = self.worker.receive()
             self._done = item == DONE or isinstance(item, BaseException)
             self._received.append(item)

@@ -41,6 +41,7 @@ from gspo.rollout.generate import RolloutBatch
 from gspo.training import lora
 from gspo.training.algorithms import Algorithm
 from gspo.training.passes import LogprobPasses, Minibatch, MinibatchForward
+from gspo.training.proximal import LateProximal
 
 
 class Collect(Protocol):
@@ -48,6 +49,9 @@ class Collect(Protocol):
 
     def collect(self, step: int) -> tuple[RolloutBatch | None, Tensor, dict]: ...
     def seed(self, step: int, rnd: int = 0) -> int: ...
+    def proximal(self, step: int) -> Callable | None:
+        """rollout.async_ratio=decoupled, a stale batch: a call that waits for π_prox of its later
+        minibatches (gspo.training.proximal); None: π_old is computed here."""
 
 
 class Ranks(Protocol):
@@ -116,24 +120,33 @@ class RLStep:
         mark_dropped(batch, rewards)
         advantages = self.algorithm.advantages(batch, rewards)
         # 3. π_old's log-probs [N, T] of the rows the update plan needs
-        plan = self.plan(batch, advantages, step)
-        # the sampler's log-probs: mismatch and correction read every row (named, so that each
-        # prompt is forwarded once, as in the plan's own rows)
-        rows = torch.arange(len(advantages)) if batch.rollout_logp is not None else plan.old_rows
-        with timer.section("old_logprobs"):
-            old_logp = self.old_logprobs(batch, rows)
-        if batch.rollout_logp is not None:
-            metrics.update(self.ranks.reduce_metrics(self.mismatch(batch, old_logp), len(rewards)))
-        if batch.rollout_logp is not None and self.cfg.train.old_logprobs == "recompute":
-            advantages, stats = self.correct_rollout(batch, advantages, old_logp)  # π_old vs sampler
-            metrics.update(self.ranks.reduce_metrics(stats, len(rewards)))
+        fetch = self.collector.proximal(step)   # async, decoupled: π_prox arrives during the update
+        plan = self.plan(batch, advantages, step, late=fetch is not None)
+        if fetch is not None:          # minibatch 1 makes its own rows', the worker the others'
+            old_logp = torch.zeros_like(batch.response_mask, dtype=torch.float32)       # [N, T]
+        else:
+            # the sampler's log-probs: mismatch and correction read every row (named, so that
+            # each prompt is forwarded once, as in the plan's own rows)
+            rows = torch.arange(len(advantages)) if batch.rollout_logp is not None else plan.old_rows
+            with timer.section("old_logprobs"):
+                old_logp = self.old_logprobs(batch, rows)
+            if batch.rollout_logp is not None:
+                metrics.update(self.ranks.reduce_metrics(self.mismatch(batch, old_logp), len(rewards)))
+            if batch.rollout_logp is not None and self.cfg.train.old_logprobs == "recompute":
+                advantages, stats = self.correct_rollout(batch, advantages, old_logp)  # vs sampler
+                metrics.update(self.ranks.reduce_metrics(stats, len(rewards)))
         # 4. M minibatch updates of the policy, then what else the algorithm trains (ppo: critic)
         t0 = time.perf_counter()
         self.audit.begin(step)                                          # π_old, if audited
         record = UpdateRecord.start(loss_mask(batch, self.cfg.train.mask_truncated))
-        metrics.update(self.update(batch, advantages, old_logp, plan, record, timer))
+        late = None if fetch is None else self.late_proximal(fetch, batch, advantages, record.mask)
+        metrics.update(self.update(batch, advantages, old_logp, plan, record, timer, late))
         metrics.update(self.algorithm.update(batch, rewards, step))
         metrics["time/train_s"] = time.perf_counter() - t0
+        if late is not None:           # π_prox vs π_v over the rows trained on; the weighted Â
+            late.fill(old_logp)                               # (M = 1: nothing waited for it)
+            metrics.update(late.metrics(old_logp, batch.response_mask, trained_rows(plan)))
+            advantages = late.advantages
         # 5. diagnostics and the audit record
         metrics.update(self.ranks.reduce_metrics(
             self.length_slices(batch, rewards, advantages, old_logp, record), len(rewards)))
@@ -148,11 +161,13 @@ class RLStep:
         return {"step": step + 1, **metrics}
 
     def update(self, batch: RolloutBatch, advantages: Tensor, old_logp: Tensor, plan: UpdatePlan,
-               record: UpdateRecord | None = None, timer: StepTimer | None = None) -> dict:
+               record: UpdateRecord | None = None, timer: StepTimer | None = None,
+               late: LateProximal | None = None) -> dict:
         """M minibatch updates on one rollout batch (``plan``): log-probs, objective, backward,
         clip, step. Metrics averaged over minibatches; ``record`` (its mask: the loss mask) gets
         what each row trained on. The plan may have the first minibatch write its rows of
-        ``old_logp`` (in place)."""
+        ``old_logp`` (in place). ``late``: the later minibatches' π_old arrives before minibatch
+        2, and each minibatch's rows are corrected (advantages, mask) once their π_old is in."""
         record = record or UpdateRecord.start(loss_mask(batch, self.cfg.train.mask_truncated))
         timer = timer or StepTimer(self.device)
         ref_logp = self.reference_logprobs(batch)                       # [N, T] or None
@@ -161,10 +176,15 @@ class RLStep:
         self.model.train()
         for i, mb in enumerate(minibatches(plan, record.mask, self.device)):
             with timer.section("forward_backward"):
+                if late is not None and i == 1:
+                    late.fill(old_logp)          # made by the worker while minibatch 1 ran
                 counts = self.ranks.global_counts(mb.mask[mb.idx])   # normalisers over all ranks
                 fwd = self.passes.minibatch(batch, mb, old_logp,
                                             fill_old=i == 0 and plan.reuse_first and mb.live)
-                loss, stats = self.objective(fwd.logp, old_logp[mb.idx], advantages[mb.idx],
+                if late is not None and mb.live:   # (one process: counts are {}, unaffected)
+                    late.correct(mb.idx[mb.pos.to(mb.idx.device)], old_logp, record.mask)
+                adv = advantages if late is None else late.advantages
+                loss, stats = self.objective(fwd.logp, old_logp[mb.idx], adv[mb.idx],
                                              mb.mask[mb.idx], **self.objective_kwargs, **counts)
                 if mb.live:
                     record.add(mb.idx, fwd.logp, loss)
@@ -193,9 +213,10 @@ class RLStep:
 
     # ----------------------------------------------------------------------------- its parts
     def plan(self, batch: RolloutBatch, advantages: Tensor, step: int,
-             optimize: bool = True) -> UpdatePlan:
+             optimize: bool = True, late: bool = False) -> UpdatePlan:
         """This step's minibatches and the rows needing a forward (gspo.core.plan); ``optimize=False``:
-        every row, π_old of every row from the old-log-prob pass."""
+        every row, π_old of every row from the old-log-prob pass. ``late``: π_old is π_prox, the
+        trainer's own weights (so the first minibatch's forward is its π_old), the rest arriving."""
         cfg = self.cfg
         gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
         minibatches = self.ranks.minibatch_rows(len(advantages), cfg.train.minibatches, gen,
@@ -205,8 +226,8 @@ class RLStep:
         skip = self.skips_rows and not self.audit.due(step)
         mask = loss_mask(batch, cfg.train.mask_truncated)
         live = live_rows(advantages.cpu(), mask.cpu()) if skip else None                  # [N]
-        reuse = (cfg.train.old_logprobs == "recompute" and batch.rollout_logp is None
-                 and cfg.moe.routing_replay != "old" and "behaviour_logp" not in batch.extras)
+        reuse = late or (cfg.train.old_logprobs == "recompute" and batch.rollout_logp is None
+                         and cfg.moe.routing_replay != "old" and "behaviour_logp" not in batch.extras)
         return plan_update(minibatches, live, reuse_first=reuse)
 
     def old_logprobs(self, batch: RolloutBatch, rows: Tensor | None = None) -> Tensor:
@@ -217,6 +238,13 @@ class RLStep:
         if "behaviour_logp" in batch.extras:  # async, stale batch: π_old of the weights that sampled it
             return batch.extras["behaviour_logp"]
         return self.passes.old_logprobs(batch, rows)
+
+    def late_proximal(self, fetch: Callable, batch: RolloutBatch, advantages: Tensor,
+                      mask: Tensor) -> LateProximal:
+        """The decoupled ratio's π_prox arriving from the worker, corrected per minibatch."""
+        cfg = self.cfg.train.rollout_correction
+        return LateProximal(fetch, batch.rollout_logp, advantages, mask, mode=cfg.mode,
+                            params=cfg.params(), per_row=self.spec.sequence_level)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor | None:
@@ -308,6 +336,12 @@ def skips_rows(cfg: TrainConfig, objective: str | None, ref_model) -> bool:
     return bool(objective and t.skip_zero_advantage
                 and objectives.spec(objective).zero_at_zero_advantage and ref_model is None
                 and t.entropy_coef == 0 and cfg.moe.aux_loss_coef == 0)
+
+
+def trained_rows(plan: UpdatePlan) -> Tensor:
+    """CPU rows of the rollout batch that get a forward/backward, over all minibatches."""
+    rows = [idx[pos] for idx, pos in zip(plan.minibatches, plan.trained)]
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
 
 
 def minibatches(plan: UpdatePlan, mask: Tensor, device: torch.device):
