@@ -37,6 +37,10 @@ def _run(make_cfg, reward_module, *overrides, run="run", resume=False, logs=None
     return cfg.run.dir
 
 
+BEHAVIOUR = ("rollout.async=true", "rollout.max_staleness=1", "rollout.async_ratio=behaviour")
+"""s = 1 with π_old = the behaviour policy (gspo's default under rollout.async is decoupled)."""
+
+
 def _strip(rows):
     """Rows without timings and without the async/* keys (which a synchronous run lacks)."""
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/"))} for r in rows]
@@ -90,7 +94,7 @@ def stale(tmp_path_factory, small_config, reward_module):
     root = tmp_path_factory.mktemp("stale")
     make_cfg = lambda *o, run="run": small_config(root, *o, run=run)  # noqa: E731
     with recorded_batches() as seen:
-        run = _run(make_cfg, reward_module, "rollout.async=true", "rollout.max_staleness=1")
+        run = _run(make_cfg, reward_module, *BEHAVIOUR)
     return SimpleNamespace(root=root, make_cfg=make_cfg, run=run, seen=seen, reward=reward_module,
                            rows=read_metrics(run))
 
@@ -135,14 +139,16 @@ def test_behaviour_logprobs_come_from_the_sampler_only_where_it_is_the_behaviour
     worker = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=40)))
     dense = SimpleNamespace(is_moe=False)
     ok = lambda *o, passes=dense: async_rollout.sampler_is_behaviour(  # noqa: E731
-        small_config(tmp_path, "rollout.async=true", *o), worker, passes)
+        small_config(tmp_path, *BEHAVIOUR, *o), worker, passes)
     assert ok()
     assert not ok("rollout.dtype=bfloat16")
     assert not ok("train.log_rollout_logprobs=true")
     assert not ok("train.rollout_correction.mode=seq_tis")
     assert not ok("rollout.async_ratio=decoupled", "train.rollout_correction.mode=seq_tis")
+    assert not async_rollout.sampler_is_behaviour(                      # gspo's default: decoupled
+        small_config(tmp_path, "rollout.async=true"), worker, dense)
     assert not ok(passes=SimpleNamespace(is_moe=True))
-    cfg = small_config(tmp_path, "rollout.async=true")
+    cfg = small_config(tmp_path, *BEHAVIOUR)
     need = cfg.batch_size * cfg.rollout.max_new_tokens * 40 * 4               # N x T x V x 4 bytes
     monkeypatch.setattr(async_rollout, "SAMPLER_LOGPROBS_BYTES", need)
     assert ok()
@@ -160,7 +166,7 @@ def test_resume_at_staleness_one_is_exact(stale):
     (run / "summary.json").unlink()
     assert (run / "checkpoints" / "step_000001" / "behaviour-0.safetensors").is_file()
     logs = []
-    _run(stale.make_cfg, stale.reward, "rollout.async=true", "rollout.max_staleness=1",
+    _run(stale.make_cfg, stale.reward, *BEHAVIOUR,
          run="resumed", resume=True, logs=logs)
     assert any("(step 1)" in line for line in logs)
     assert not any("no weights of versions" in line for line in logs)
@@ -213,7 +219,7 @@ def test_the_process_worker_runs_the_thread_workers_run(stale, make_cfg, reward_
     """Same seed, same run, whichever side of a process boundary the worker is: metrics and
     weights equal (both on this CPU). A worker whose policy aliased the trainer's parameters
     (shared memory) would sample and score with weights the trainer is updating, and differ."""
-    thread = _run(make_cfg, reward_module, "rollout.async=true", "rollout.max_staleness=1",
+    thread = _run(make_cfg, reward_module, *BEHAVIOUR,
                   "rollout.async_worker=thread", run="thread")
     assert _strip(read_metrics(thread)) == _strip(stale.rows)
     for step in (1, 2, 3):
@@ -518,13 +524,33 @@ def test_a_bfloat16_sampler_with_correction_is_corrected_against_the_behaviour_p
     are weighed against π_v's float32 log-probs of every row: the mismatch is the dtype's alone,
     as small as in the synchronous run, not one RL step of training."""
     extra = ("rollout.dtype=bfloat16", "train.rollout_correction.mode=tis")
-    stale = read_metrics(_run(make_cfg, reward_module, *extra, "rollout.async=true",
-                              "rollout.max_staleness=1", run="bf16-async"))[1:]
+    stale = read_metrics(_run(make_cfg, reward_module, *extra, *BEHAVIOUR, run="bf16-async"))[1:]
     sync = read_metrics(_run(make_cfg, reward_module, *extra, run="bf16-sync"))[1:]
     assert [r["async/staleness"] for r in stale] == [0.0, 1.0, 1.0]
     kl = [r["mismatch/kl"] for r in stale]
     assert all(0 <= k < 10 * max(r["mismatch/kl"] for r in sync) for k in kl), (kl, sync)
     assert not _worker_threads()
+
+
+@pytest.mark.parametrize("overrides, ratio, mode", [
+    (["objective.name=gspo"], "decoupled", "seq_tis"),         # sequence-level: decoupled
+    (["objective.name=luspo", "train.rollout_correction.mode=tis"], "decoupled", "tis"),  # kept
+    (["objective.name=grpo"], "behaviour", "none"),            # token-level: behaviour
+    (["objective.name=gspo", "rollout.max_staleness=0"], "behaviour", "none"),   # never stale
+    (["objective.name=gspo", "train.old_logprobs=rollout"], "behaviour", "none"),
+    (["objective.name=gspo", "rollout.async_ratio=behaviour"], "behaviour", "none"),
+])
+def test_auto_ratio_is_decoupled_for_sequence_level_objectives(tmp_path, overrides, ratio, mode):
+    """rollout.async_ratio=auto (the default) resolves at load, and the saved config says what ran."""
+    from gspo.config import dump_yaml
+    cfg = load_config(None, ["rollout.async=true", *overrides])
+    assert (cfg.rollout.async_ratio, cfg.train.rollout_correction.mode) == (ratio, mode)
+    dump_yaml(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+    sync = load_config(None, overrides)                        # synchronous: nothing resolved
+    assert sync.rollout.async_ratio == ("behaviour" if "rollout.async_ratio=behaviour" in overrides
+                                        else "auto")
+    assert sync.train.rollout_correction.mode == ("tis" if "tis" in overrides[-1] else "none")
 
 
 def test_a_misspelt_key_is_told_the_yaml_name():
@@ -533,10 +559,11 @@ def test_a_misspelt_key_is_told_the_yaml_name():
 
 
 @pytest.mark.parametrize("overrides, hinted", [
-    (["objective.name=gspo"], True),
-    (["objective.name=luspo", "rollout.max_staleness=2"], True),
+    (["objective.name=gspo", "rollout.async_ratio=behaviour"], True),
+    (["objective.name=luspo", "rollout.max_staleness=2", "rollout.async_ratio=behaviour"], True),
+    (["objective.name=gspo"], False),                          # auto: decoupled, the remedy
     (["objective.name=grpo"], False),                          # token-level: within the spread
-    (["objective.name=gspo", "rollout.max_staleness=0"], False),   # never stale
+    (["objective.name=gspo", "rollout.max_staleness=0", "rollout.async_ratio=behaviour"], False),
     (["objective.name=gspo", "rollout.async_ratio=decoupled",
       "train.rollout_correction.mode=seq_tis"], False),       # already the remedy
 ])
