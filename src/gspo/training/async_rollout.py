@@ -27,15 +27,22 @@ exactly, and no batch is ever more than s steps old: ``async/dropped_batches`` c
 discarded for staleness and is 0 by construction. With s = 0 the worker samples batch k after
 step k-1, in lockstep: the synchronous run, op for op.
 
-**π_old is the behaviour policy.** When k - v > 0 the worker computes log π_v of the rows that
-can carry a gradient (``behaviour_rows``) under the weights it sampled with and hands them in
-``batch.extras["behaviour_logp"]``; the trainer takes them as π_old (and does not reuse its first
-minibatch's forward as π_old, which only holds on-policy). With ``train.old_logprobs: rollout``
-the generator's own log-probs are already π_v's. When k = v the trainer recomputes π_old itself,
-exactly as in the synchronous loop (docs/math.md, "Asynchronous rollouts"). With
-``rollout.async_ratio: decoupled`` the worker takes none: the trainer recomputes π_old under its
-own weights (the proximal policy) and ``train.rollout_correction`` weighs it against the sampler's
-log-probs, which are π_v's.
+**π_old of a stale batch** (k - v > 0; docs/math.md, "Asynchronous rollouts"). When k = v the
+trainer computes π_old itself, exactly as in the synchronous loop. Otherwise, by
+``rollout.async_ratio`` (``auto`` picks per objective):
+
+* ``behaviour``: π_old = π_v. The worker hands log π_v over in ``batch.extras["behaviour_logp"]``:
+  the sampler's own log-probs when the sampler is transformers on its float32 policy
+  (``sampler_is_behaviour``), else a log-prob pass over the rows that can carry a gradient
+  (``behaviour_rows``). The trainer does not reuse its first minibatch's forward as π_old (that
+  only holds on-policy). With ``train.old_logprobs: rollout`` the generator's log-probs are π_v's.
+* ``decoupled``: π_old = π_prox, the trainer's weights at the start of step k, and
+  ``train.rollout_correction`` weighs it against the sampler's log-probs (π_v's). Minibatch 1's
+  π_prox is its own forward; the later minibatches' rows (``proximal_rows``) the worker computes
+  under version k as soon as it has it, which is when step k starts, and hands over as a
+  ``Proximal`` (``make_batches`` keeps each stale batch until then, and runs s iterations past
+  the last step for the last batches'). The trainer takes it before minibatch 2
+  (``AsyncSource.proximal``, gspo.training.proximal).
 
 **The process worker** is started once, at the first batch, from a fork server that has already
 imported this module (start-up in a fraction of a second after the first), and is handed a copy of
