@@ -535,12 +535,12 @@ def test_a_bfloat16_sampler_with_correction_is_corrected_against_the_behaviour_p
 @pytest.mark.parametrize("overrides, ratio, mode", [
     (["objective.name=gspo"], "decoupled", "seq_tis"),         # sequence-level: decoupled
     (["objective.name=luspo", "train.rollout_correction.mode=tis"], "decoupled", "tis"),  # kept
-    (["objective.name=grpo"], "behaviour", "none"),            # token-level: behaviour
+    (["objective.name=grpo"], "decoupled", "tis"),             # token-level: tis
     (["objective.name=gspo", "rollout.max_staleness=0"], "behaviour", "none"),   # never stale
     (["objective.name=gspo", "train.old_logprobs=rollout"], "behaviour", "none"),
     (["objective.name=gspo", "rollout.async_ratio=behaviour"], "behaviour", "none"),
 ])
-def test_auto_ratio_is_decoupled_for_sequence_level_objectives(tmp_path, overrides, ratio, mode):
+def test_auto_ratio_is_decoupled_where_a_batch_can_be_stale(tmp_path, overrides, ratio, mode):
     """rollout.async_ratio=auto (the default) resolves at load, and the saved config says what ran."""
     from gspo.config import dump_yaml
     cfg = load_config(None, ["rollout.async=true", *overrides])
@@ -562,12 +562,13 @@ def test_a_misspelt_key_is_told_the_yaml_name():
     (["objective.name=gspo", "rollout.async_ratio=behaviour"], True),
     (["objective.name=luspo", "rollout.max_staleness=2", "rollout.async_ratio=behaviour"], True),
     (["objective.name=gspo"], False),                          # auto: decoupled, the remedy
-    (["objective.name=grpo"], False),                          # token-level: within the spread
+    (["objective.name=grpo"], False),
+    (["objective.name=grpo", "rollout.async_ratio=behaviour"], True),
     (["objective.name=gspo", "rollout.max_staleness=0", "rollout.async_ratio=behaviour"], False),
     (["objective.name=gspo", "rollout.async_ratio=decoupled",
       "train.rollout_correction.mode=seq_tis"], False),       # already the remedy
 ])
-def test_a_stale_sequence_level_ratio_points_to_the_decoupled_form(overrides, hinted):
+def test_a_stale_behaviour_ratio_points_to_the_decoupled_form(overrides, hinted):
     hint = async_rollout.staleness_hint(load_config(None, ["rollout.async=true", *overrides]))
     assert (hint is not None) == hinted
     if hinted:

@@ -268,7 +268,7 @@ class RolloutConfig(Section):
     max_staleness: int = Field(1, ge=0)
     """With rollout.async: s, how many RL steps the sampling policy of a batch may lag the policy trained on it (its ratio is taken against that behaviour policy, docs/math.md). 0 runs in lockstep and reproduces the synchronous run exactly."""
     async_ratio: Literal["auto", "behaviour", "decoupled"] = "auto"
-    """With rollout.async, what a stale batch's ratio is taken against (docs/math.md, Asynchronous rollouts): behaviour (π_old = the policy v that sampled it; the clip acts on π_θ/π_v) | decoupled (π_old = the trainer's weights before this step, the proximal policy: the first minibatch's own forward, the others' from the worker beside it; the clip acts on π_θ/π_prox and train.rollout_correction, which it needs, weighs each token or response by π_prox/π_v: seq_tis for sequence-level objectives such as gspo) | auto (the default: decoupled, with rollout_correction.mode seq_tis unless one is set, for a sequence-level objective with max_staleness > 0 and train.old_logprobs=recompute, else behaviour; measured in docs/performance.md: gspo with the behaviour ratio lost 0.08 held-out accuracy at s = 1, grpo did not)."""
+    """With rollout.async, what a stale batch's ratio is taken against (docs/math.md, Asynchronous rollouts): behaviour (π_old = the policy v that sampled it; the clip acts on π_θ/π_v) | decoupled (π_old = the trainer's weights before this step, the proximal policy: the first minibatch's own forward, the others' from the worker beside it; the clip acts on π_θ/π_prox and train.rollout_correction, which it needs, weighs each token or response by π_prox/π_v: seq_tis for sequence-level objectives such as gspo) | auto (the default: decoupled when max_staleness > 0 and train.old_logprobs=recompute, with rollout_correction.mode seq_tis for a sequence-level objective or tis for a token-level one unless a mode is set; else behaviour. Measured in docs/performance.md: at s = 1 on the default job the behaviour ratio trained both gspo and grpo more slowly than the synchronous run, the decoupled one did not, at the same step rate)."""
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
@@ -736,16 +736,16 @@ class TrainConfig(Section):
         return self.rollout.prompts_per_step * self.rollout.group_size
 
     def _resolve_async_ratio(self) -> None:
-        """rollout.async_ratio=auto -> decoupled (+ seq_tis unless a correction is set) for a
-        sequence-level objective that can see a stale batch with a recomputed π_old, else
-        behaviour (the config then records what ran)."""
-        name = self.objective.name
-        sequence_level = name in objectives.available() and objectives.spec(name).sequence_level
-        if (sequence_level and self.rollout.max_staleness > 0
-                and self.train.old_logprobs == "recompute"):
+        """rollout.async_ratio=auto -> decoupled when a batch can be stale and π_old is
+        recomputed, with a correction unless one is set (seq_tis for a sequence-level objective,
+        tis for a token-level one), else behaviour. The config then records what ran."""
+        if self.rollout.max_staleness > 0 and self.train.old_logprobs == "recompute":
             self.rollout.async_ratio = "decoupled"
             if self.train.rollout_correction.mode == "none":
-                self.train.rollout_correction.mode = "seq_tis"
+                name = self.objective.name
+                sequence_level = objectives.spec(name).sequence_level \
+                    if name in objectives.available() else False
+                self.train.rollout_correction.mode = "seq_tis" if sequence_level else "tis"
         else:
             self.rollout.async_ratio = "behaviour"
 

@@ -124,18 +124,15 @@ def behaviour_rows(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def staleness_hint(cfg) -> str | None:
-    """One line for a run whose sequence-level ratio is clipped against a stale behaviour policy
-    (measured to cost held-out accuracy, docs/performance.md); None when it does not apply."""
-    name = cfg.objective.name
+    """One line for a run that clips against a stale behaviour policy (measured to train more
+    slowly than the synchronous run, docs/performance.md); None when it does not apply."""
     if (not cfg.rollout.async_ or cfg.rollout.max_staleness == 0
-            or cfg.rollout.async_ratio != "behaviour" or name not in objectives.available()
-            or not objectives.spec(name).sequence_level):
+            or cfg.rollout.async_ratio != "behaviour" or cfg.train.old_logprobs != "recompute"):
         return None
-    return (f"rollout.async: {name} clips its sequence ratio against the policy that sampled the "
-            f"batch, up to {cfg.rollout.max_staleness} step(s) old; for gspo on the default job at s=1 "
-            "that clipped 0.42 of the tokens instead of 0.33 and lost 0.08 held-out accuracy, and "
-            "rollout.async_ratio=decoupled train.rollout_correction.mode=seq_tis did not "
-            "(docs/performance.md)")
+    return (f"rollout.async: {cfg.objective.name} clips its ratio against the policy that sampled "
+            f"the batch, up to {cfg.rollout.max_staleness} step(s) old; on the default job at s=1 "
+            "that trained gspo and grpo more slowly than the synchronous run and "
+            "rollout.async_ratio=decoupled (the default, auto) did not (docs/performance.md)")
 
 
 def snapshot(model: torch.nn.Module, device: str | None = None) -> dict[str, torch.Tensor]:
