@@ -431,6 +431,23 @@ def test_decoupled_takes_pi_prox_from_the_worker_and_weighs_it_to_the_sampler(de
     assert rows[2]["mismatch/kl"] > 100 * max(rows[0]["mismatch/kl"], 1e-9)
 
 
+def test_a_proximal_that_lacks_a_needed_row_is_an_error_not_a_zero():
+    """π_prox rows the update reads but the worker did not send would be log π_old = 0 (a ratio
+    far off 1): fill refuses, naming them."""
+    from gspo.training.proximal import LateProximal
+    got = SimpleNamespace(rows=torch.tensor([1, 3]), logp=torch.full((2, 2), -0.5), seconds={})
+    mask = torch.ones(4, 2)
+    late = LateProximal(lambda: got, torch.zeros(4, 2), torch.ones(4), mask, torch.tensor([1, 2, 3]),
+                        mode="seq_tis", params={}, per_row=True)
+    with pytest.raises(RuntimeError, match=r"lacks rows \[2\]"):
+        late.fill(torch.zeros(4, 2))
+    fine = LateProximal(lambda: got, torch.zeros(4, 2), torch.ones(4), mask, torch.tensor([3]),
+                        mode="seq_tis", params={}, per_row=True)
+    old = torch.zeros(4, 2)
+    fine.fill(old)
+    assert torch.equal(old[[1, 3]], got.logp) and torch.equal(old[[0, 2]], torch.zeros(2, 2))
+
+
 def test_decoupled_runs_repeat_across_workers_and_resume(decoupled):
     """The thread worker's run equals the process worker's, and a resume from step 1 equals the
     uninterrupted run (metrics and weights): π_prox from the worker is as reproducible as the
@@ -466,7 +483,7 @@ def test_the_correction_taken_per_minibatch_is_the_whole_batchs(mode):
     for per_row in (True, False):
         whole = spec.fn(prox, v, mask)
         want_adv = correction.weighted_advantages(adv, whole.weight, mask, per_row=per_row)
-        late = LateProximal(None, v, adv, mask, mode=mode, params={}, per_row=per_row)
+        late = LateProximal(None, v, adv, mask, None, mode=mode, params={}, per_row=per_row)
         loss_mask = mask.clone()
         for rows in (torch.tensor([5, 1]), torch.tensor([0, 6, 3])):      # row 2, 4, 7: no signal
             late.correct(rows, prox, loss_mask)

@@ -33,10 +33,11 @@ from gspo.observe import diagnostics
 class LateProximal:
     """π_prox of a stale batch arriving from the worker, and the correction per minibatch."""
 
-    def __init__(self, fetch: Callable, rollout_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-                 mode: str, params: dict, per_row: bool):
+    def __init__(self, fetch: Callable, rollout_logp: Tensor, advantages: Tensor, mask: Tensor,
+                 needed: Tensor | None, *, mode: str, params: dict, per_row: bool):
         self.fetch = fetch
         """Waits for the worker's π_prox: an object with rows [n] (CPU), logp [n, T], seconds."""
+        self.needed = needed                                    # [n'] CPU: the plan's old rows
         self.rollout_logp = rollout_logp                        # [N, T] π_v, the sampler's
         self.mode, self.params, self.per_row = mode, params, per_row
         self.mask_before = mask.clone()                         # [N, T] the loss mask uncorrected
@@ -50,6 +51,10 @@ class LateProximal:
         if self.seconds is not None:
             return
         got = self.fetch()
+        if self.needed is not None and not bool(torch.isin(self.needed, got.rows).all()):
+            missing = self.needed[~torch.isin(self.needed, got.rows)].tolist()
+            raise RuntimeError(f"async rollouts: the worker's π_prox lacks rows {missing[:8]} the "
+                               "update needs (proximal_rows and the update plan disagree)")
         old_logp[got.rows.to(old_logp.device)] = got.logp.to(old_logp.dtype)
         self.seconds = got.seconds
 

@@ -139,7 +139,8 @@ class RLStep:
         t0 = time.perf_counter()
         self.audit.begin(step)                                          # π_old, if audited
         record = UpdateRecord.start(loss_mask(batch, self.cfg.train.mask_truncated))
-        late = None if fetch is None else self.late_proximal(fetch, batch, advantages, record.mask)
+        late = None if fetch is None else self.late_proximal(fetch, batch, advantages, record.mask,
+                                                             plan.old_rows)
         metrics.update(self.update(batch, advantages, old_logp, plan, record, timer, late))
         metrics.update(self.algorithm.update(batch, rewards, step))
         metrics["time/train_s"] = time.perf_counter() - t0
@@ -240,10 +241,11 @@ class RLStep:
         return self.passes.old_logprobs(batch, rows)
 
     def late_proximal(self, fetch: Callable, batch: RolloutBatch, advantages: Tensor,
-                      mask: Tensor) -> LateProximal:
-        """The decoupled ratio's π_prox arriving from the worker, corrected per minibatch."""
+                      mask: Tensor, needed: Tensor | None) -> LateProximal:
+        """The decoupled ratio's π_prox arriving from the worker (``needed``: the rows the plan
+        reads, checked against what it sends), corrected per minibatch."""
         cfg = self.cfg.train.rollout_correction
-        return LateProximal(fetch, batch.rollout_logp, advantages, mask, mode=cfg.mode,
+        return LateProximal(fetch, batch.rollout_logp, advantages, mask, needed, mode=cfg.mode,
                             params=cfg.params(), per_row=self.spec.sequence_level)
 
     @torch.no_grad()
