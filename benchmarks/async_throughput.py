@@ -12,8 +12,8 @@ the ratios of a pair, not the absolute seconds, and the load average printed bes
     python benchmarks/async_throughput.py                     # default job, 3 pairs of 30 steps
     python benchmarks/async_throughput.py --pairs 6 --steps 30 --config configs/default.yaml \
         --set rollout.max_staleness=1
-    python benchmarks/async_throughput.py --async-set rollout.async_ratio=decoupled \
-        --async-set train.rollout_correction.mode=seq_tis       # the decoupled ratio's cost
+    python benchmarks/async_throughput.py --async-set rollout.async_ratio=behaviour
+                                              # the behaviour ratio (the default is decoupled)
 
 The cold start is cached (runs/.sft-cache), so a first run trains it once before timing.
 """
