@@ -467,6 +467,17 @@ def test_decoupled_runs_repeat_across_workers_and_resume(decoupled):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_grpo_runs_the_default_decoupled_ratio_per_token(make_cfg, reward_module):
+    """grpo under rollout.async at s = 1 takes auto's decoupled ratio with a token-level tis: the
+    stale steps log π_prox from the worker and a KL(π_v ‖ π_prox) of one RL step, not float noise."""
+    rows = read_metrics(_run(make_cfg, reward_module, "objective.name=grpo", "rollout.async=true",
+                             "rollout.max_staleness=1", run="grpo-decoupled"))[1:]
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all("async/worker_proximal_s" in r for r in rows[1:])
+    assert rows[2]["mismatch/kl"] > 100 * max(rows[0]["mismatch/kl"], 1e-9)
+    assert all(r["mismatch/is_weight_mean"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("mode", ["tis", "seq_tis", "icepop", "seq_mask"])
 def test_the_correction_taken_per_minibatch_is_the_whole_batchs(mode):
     """LateProximal corrects each minibatch's rows as their π_prox comes in; every correction is
