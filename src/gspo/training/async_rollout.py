@@ -29,7 +29,8 @@ step k-1, in lockstep: the synchronous run, op for op.
 
 **π_old of a stale batch** (k - v > 0; docs/math.md, "Asynchronous rollouts"). When k = v the
 trainer computes π_old itself, exactly as in the synchronous loop. Otherwise, by
-``rollout.async_ratio`` (``auto`` picks per objective):
+``rollout.async_ratio`` (``auto``, the default, resolves to ``decoupled`` when a batch can be
+stale and π_old is recomputed, gspo.config):
 
 * ``behaviour``: π_old = π_v. The worker hands log π_v over in ``batch.extras["behaviour_logp"]``:
   the sampler's own log-probs when the sampler is transformers on its float32 policy
