@@ -47,12 +47,25 @@ def test_rollout_correction_resolves_per_engine(overrides, mode):
     assert dumped["train"]["rollout_correction"]["mode"] == mode
 
 
+@pytest.mark.parametrize("overrides, ratio, mode", [
+    ([], "decoupled", "seq_tis"),            # vllm's default tis is not the user's: gspo is sequence-level
+    (["objective.name=grpo"], "decoupled", "tis"),
+    (["train.rollout_correction.mode=icepop"], "decoupled", "icepop"),     # the user's, kept
+    (["rollout.max_staleness=0"], "behaviour", "tis"),                     # never stale: vllm's default
+    (["rollout.async_ratio=behaviour"], "behaviour", "tis"),
+])
+def test_vllm_with_async_resolves_ratio_and_correction(overrides, ratio, mode):
+    """rollout.async with vllm: auto picks the decoupled ratio with the
+    objective's correction, as with hf, unless the user set a mode; vllm's tis stays otherwise."""
+    cfg = load_config("configs/default.yaml", ["rollout.engine=vllm", "rollout.async=true", *overrides])
+    assert (cfg.rollout.async_ratio, cfg.train.rollout_correction.mode) == (ratio, mode)
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["rollout.engine=vlm"], "rollout.engine: unknown engine 'vlm'; did you mean 'vllm'?"),
     (["rollout.engine=vllm", "model.preset=tiny-moe", "moe.routing_replay=rollout"],
      "rollout.engine=vllm cannot serve moe.routing_replay=rollout"),
     (["rollout.engine=vllm", "model.lora={r: 4}"], "rollout.engine=vllm cannot serve model.lora"),
-    (["rollout.engine=vllm", "rollout.async=true"], "rollout.engine=vllm cannot serve rollout.async"),
     (["rollout.engine=vllm", "audit.every=5"],
      "train.rollout_correction.mode=tis changes the loss mask"),
 ])

@@ -10,6 +10,9 @@ cold-start policy is off by more (the steps moved the log-probs beyond the toler
 missed sync would fail the check).
 
 Stopped after step 1 and resumed, such a run repeats the uninterrupted one exactly (time/* aside).
+
+Under rollout.async: s = 0 is the synchronous vllm run exactly; at s = 1 the process worker (its
+own engine) and the thread worker (the trainer's engine, shared) make the same run.
 """
 
 import json
@@ -124,3 +127,69 @@ def test_a_vllm_run_resumes_exactly(tmp_path, monkeypatch, sft_cache):
     w_a = load_model(straight / "checkpoints" / final)[0].state_dict()
     w_b = load_model(resumed / "checkpoints" / final)[0].state_dict()
     assert w_a.keys() == w_b.keys() and all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+
+
+def _timeless(rows):
+    """Metrics rows without timings (time/*, async/*_s)."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/")
+             and not (k.startswith("async/") and (k.endswith("_s") or "/wait_s" in k))} for r in rows]
+
+
+def test_vllm_with_async_staleness_zero_is_the_synchronous_run(tmp_path, monkeypatch, sft_cache):
+    """rollout.async with vllm and s = 0, thread worker: the worker samples batch k through the
+    trainer's own engine (``Engine.shared``), synced to its copy of the weights of version k, so
+    the run is the synchronous one, every metric (vLLM's mismatch/* included) and every weight."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    sync = tmp_path / "sync"
+    Trainer(vllm_config(sync, sft_cache)).run()
+    lock = tmp_path / "s0"
+    trainer = Trainer(vllm_config(lock, sft_cache, "rollout.async=true", "rollout.max_staleness=0",
+                                  "rollout.async_worker=thread"))
+    trainer.run()
+    a, b = read_metrics(sync), read_metrics(lock)
+    assert [r["async/staleness"] for r in b[1:]] == [0.0] * STEPS
+    assert all("mismatch/kl" in r for r in b[1:])
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("async/")}  # noqa: E731
+                          for r in _timeless(rows)]
+    assert strip(a) == strip(b)
+    final = f"step_{STEPS:06d}"
+    w_a = load_model(sync / "checkpoints" / final)[0].state_dict()
+    w_b = load_model(lock / "checkpoints" / final)[0].state_dict()
+    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+
+
+def test_vllm_with_async_staleness_one_process_and_thread_workers_agree(tmp_path, monkeypatch,
+                                                                        sft_cache):
+    """s = 1 with vllm: stale batches (staleness 1 from step 2), the decoupled ratio with seq_tis
+    weighing π_prox against vLLM's log-probs, which now belong to the weights one step earlier
+    (mismatch/* far above the synced tolerance). The process worker builds its own engine in
+    its process, the thread worker shares the trainer's: the same run, every metric and weight
+    (vLLM seeds each prompt's requests, and both engines hold the same float32 weights)."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    steps, runs = 6, {}
+    for kind in ("thread", "process"):
+        run = tmp_path / kind
+        cfg = vllm_config(run, sft_cache, "rollout.async=true", "rollout.max_staleness=1",
+                          f"rollout.async_worker={kind}", f"train.steps={steps}")
+        assert (cfg.rollout.async_ratio, cfg.train.rollout_correction.mode) == ("decoupled", "seq_tis")
+        Trainer(cfg).run()
+        runs[kind] = read_metrics(run)
+    rows = runs["thread"][1:]
+    assert [r["async/staleness"] for r in rows] == [0.0] + [1.0] * (steps - 1)
+    assert all(r["async/dropped_batches"] == 0 for r in rows)
+    assert rows[0]["mismatch/token_abs_max"] < TOL        # step 1: sampled by the weights it trains
+    # the batch of step k+1 was sampled before step k's update: off by it when that update moved
+    # the weights (a step with a signal), within the synced tolerance when it did not (a step
+    # without a signal trains no row and logs no mismatch/*)
+    mismatch = {r["step"]: r["mismatch/token_abs_max"] for r in rows if "mismatch/kl" in r}
+    signal = {r["step"] for r in rows if r["reward/std"] > 0}
+    after_update = [k + 1 for k in signal if k + 1 in mismatch]
+    after_none = [k + 1 for k in range(1, steps) if k not in signal and k + 1 in mismatch]
+    assert after_update, (mismatch, signal)     # (which steps have a signal depends on the machine)
+    assert all(mismatch[k] > 100 * TOL for k in after_update), mismatch
+    assert all(mismatch[k] < TOL for k in after_none), mismatch
+    assert _timeless(runs["thread"]) == _timeless(runs["process"])
+    final = f"step_{steps:06d}"
+    w_a = load_model(tmp_path / "thread" / "checkpoints" / final)[0].state_dict()
+    w_b = load_model(tmp_path / "process" / "checkpoints" / final)[0].state_dict()
+    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)

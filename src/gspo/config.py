@@ -258,13 +258,13 @@ class RolloutConfig(Section):
     dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
     engine: str = "hf"
-    """Generation engine (gspo.rollout.engines, docs/engines.md): hf (transformers generate on the policy, or on its rollout.dtype copy) | vllm (a vLLM engine in this process built once from the policy after the cold start, weights synced in place before every step's generation; optional package; one process, no LoRA, no moe.routing_replay=rollout, no rollout.async). With vllm the sampler's log-probs are always returned (mismatch/* every step) and train.rollout_correction defaults to tis."""
+    """Generation engine (gspo.rollout.engines, docs/engines.md): hf (transformers generate on the policy, or on its rollout.dtype copy) | vllm (a vLLM engine in this process built once from the policy after the cold start, weights synced in place before every step's generation; optional package; one process, no LoRA, no moe.routing_replay=rollout; under rollout.async a thread worker samples through the same engine, a process worker builds its own). With vllm the sampler's log-probs are always returned (mismatch/* every step) and train.rollout_correction defaults to tis."""
     engine_sleep: bool = True
     """Free the engine's memory for the training update: after a step's generation the engine sleeps (vllm on CUDA: vLLM's sleep mode, level 1: its weights offloaded to host memory, its KV cache dropped), and it wakes before the next generation, before the weight sync. On by default; a no-op where the engine holds nothing to free (hf) or has no sleep mode (vllm on a CPU). false: the engine keeps its memory (vllm is then built without sleep mode)."""
     async_: bool = Field(False, alias="async")
     """rollout.async: generate, score and take π_old of the next batches in a worker (rollout.async_worker) with its own copy of the policy while the trainer trains on this one (gspo.async_rollout, docs/performance.md). The batch of step k is sampled by the weights after step k - max_staleness, always (so runs are reproducible and resume exactly); run.threads torch threads per side on CPU."""
     async_worker: Literal["process", "thread"] = "process"
-    """With rollout.async, where the worker runs: process (a child process of its own, started once from a fork server: no interpreter lock or RNG shared with the trainer; weights go to it after every step as safetensors bytes, batches come back pickled, over its own pipes; a script that trains must start under `if __name__ == "__main__":`) | thread (a thread of this process: no start-up, but both sides contend for the interpreter lock: on the default job 1.37x the synchronous step rate against the process's 1.47x, docs/performance.md)."""
+    """With rollout.async, where the worker runs: process (a child process of its own, started once from a fork server: no interpreter lock or RNG shared with the trainer; weights go to it after every step as safetensors bytes, batches come back pickled, over its own pipes; a script that trains must start under `if __name__ == "__main__":`) | thread (a thread of this process: no start-up, but both sides contend for the interpreter lock: on the default job 1.37x the synchronous step rate against the process's 1.47x, docs/performance.md). With rollout.engine=vllm a thread worker samples through the trainer's engine, a process worker builds its own (docs/engines.md)."""
     max_staleness: int = Field(1, ge=0)
     """With rollout.async: s, how many RL steps the sampling policy of a batch may lag the policy trained on it (its ratio is taken against that behaviour policy, docs/math.md). 0 runs in lockstep and reproduces the synchronous run exactly."""
     async_ratio: Literal["auto", "behaviour", "decoupled"] = "auto"
@@ -657,6 +657,7 @@ class TrainConfig(Section):
             raise ValueError("moe.routing_replay=old captures experts in the recomputed old-log-prob "
                              "pass: it needs train.old_logprobs=recompute (or use routing_replay=rollout)")
         self._check_engine()
+        correction_unset = self.train.rollout_correction.mode is None
         self._check_rollout_correction()
         if self.rollout.dtype not in ("model", self.model.dtype) and self.moe.routing_replay == "rollout":
             raise ValueError(f"rollout.dtype={self.rollout.dtype} samples with a copy of the policy, whose "
@@ -664,7 +665,7 @@ class TrainConfig(Section):
         if self.rollout.async_:
             async_refusal(self)
             if self.rollout.async_ratio == "auto":
-                self._resolve_async_ratio()
+                self._resolve_async_ratio(correction_unset)
             if self.rollout.async_ratio == "decoupled" and self.train.rollout_correction.mode == "none":
                 raise ValueError("rollout.async_ratio=decoupled needs a train.rollout_correction.mode "
                                  "to weigh the proximal policy to the behaviour one (e.g. seq_tis for "
@@ -706,7 +707,6 @@ class TrainConfig(Section):
              "moe.routing_replay=rollout: the engine does not return the experts it routed to"),
             (self.model.lora is not None,
              "model.lora: the weight sync sends whole weights, not adapters (merging is not built)"),
-            (self.rollout.async_, "rollout.async: its worker samples with its own copy of the policy"),
             (world > 1, f"torchrun with {world} processes (one engine per node is not built)"),
         ]
         for refuse, why in refused:
@@ -735,13 +735,14 @@ class TrainConfig(Section):
         """N = P x G sequences per RL step (derived)."""
         return self.rollout.prompts_per_step * self.rollout.group_size
 
-    def _resolve_async_ratio(self) -> None:
+    def _resolve_async_ratio(self, correction_unset: bool) -> None:
         """rollout.async_ratio=auto -> decoupled when a batch can be stale and π_old is
         recomputed, with a correction unless one is set (seq_tis for a sequence-level objective,
-        tis for a token-level one), else behaviour. The config then records what ran."""
+        tis for a token-level one; ``correction_unset``: the mode was the engine's default, e.g.
+        vllm's tis, not the user's), else behaviour. The config then records what ran."""
         if self.rollout.max_staleness > 0 and self.train.old_logprobs == "recompute":
             self.rollout.async_ratio = "decoupled"
-            if self.train.rollout_correction.mode == "none":
+            if self.train.rollout_correction.mode == "none" or correction_unset:
                 name = self.objective.name
                 sequence_level = objectives.spec(name).sequence_level \
                     if name in objectives.available() else False

@@ -197,6 +197,13 @@ class Collector:
             self.engine.sync_weights(self.model)
         return self.engine
 
+    def worker_engine(self) -> engines.Engine | None:
+        """The engine a thread worker of rollout.async samples through: this one, built now if
+        need be, when the engine is shared (vllm: one per process; each side syncs it to its own
+        weights before it generates, evaluation and the worker's generation under one lock), else
+        None: the worker builds its own from its copy of the policy."""
+        return self.sampler() if engines.is_shared(self.cfg.rollout.engine) else None
+
     def rest(self) -> None:
         """After a step's generation, before its update: put the engine to sleep
         (rollout.engine_sleep; a no-op for an engine with nothing to free)."""

@@ -42,7 +42,7 @@ from gspo.rollout.generate import (RolloutBatch, Samples, SamplingParams, left_p
 from gspo.tasks import Example
 
 __all__ = ["Engine", "EngineUnavailable", "HFEngine", "VLLMEngine", "available", "build", "check",
-           "generate_batch", "policy_weights"]
+           "generate_batch", "is_shared", "policy_weights"]
 
 
 class EngineUnavailable(UserError):
@@ -59,6 +59,10 @@ class Engine(ABC):
     always_logprobs: bool = False
     """The sampler's log-probs come with its tokens at no cost, so a rollout always asks for
     them (vllm: mismatch/* every step); hf computes them only when asked."""
+    shared: bool = False
+    """One engine serves the trainer and a thread worker of rollout.async in turn (each side
+    syncs it to its own policy before every generation, under the worker's lock): vllm, whose
+    engine is built once per process. False: the worker builds its own (hf: on its policy copy)."""
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], group_size: int, params: SamplingParams,
@@ -109,6 +113,11 @@ def check(name: str, model_type: str | None = None) -> None:
     if module and importlib.util.find_spec(module) is None:
         raise EngineUnavailable(f"engine {name!r} needs the {module!r} package, which is not installed "
                                 f"(GPU: pip install 'gspo[vllm]'; this CPU: make test-vllm builds .venv-vllm)")
+
+
+def is_shared(name: str) -> bool:
+    """Whether engine ``name`` serves a thread worker and the trainer in turn (``Engine.shared``)."""
+    return _REGISTRY.get(name).shared
 
 
 def build(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **options) -> Engine:
@@ -215,6 +224,7 @@ class VLLMEngine(Engine):
     """config.model_type -> why this engine cannot serve it (each one shown by a test); none now:
     the MoE experts' stale reload on a CPU is repaired by ``sync_weights``."""
     always_logprobs = True
+    shared = True
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  dtype: torch.dtype | None = None, seed: int = 0, gpu_memory_utilization: float = 0.5,

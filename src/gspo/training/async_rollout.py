@@ -5,7 +5,10 @@ always was. ``rollout.async: true`` (``AsyncSource``): a worker with its own cop
 generates, scores and (when the batch is stale) takes the old log-probs of batches k+1.. while
 the trainer trains on batch k. The worker is a child process (``rollout.async_worker: process``,
 the default: ``ProcessWorker``) or a thread of this process (``thread``: ``ThreadWorker``); both
-run the same loop, ``make_batches``.
+run the same loop, ``make_batches``. The worker samples through its own engine built on its
+policy (hf), or, for an engine that is ``shared`` (vllm: one per process), a thread worker through
+the trainer's, synced to the worker's weights before each generation (the process worker builds
+its own in its process).
 
 It is handed the ``Collector`` (gspo.rollout.collect), the policy's ``LogprobPasses`` and whether
 the update skips rows without signal, never the trainer. The hooks, all the loop knows of it::
@@ -468,9 +471,11 @@ class ThreadWorker:
         self._weights, self._stopping, self.s = dict(weights), False, cfg.rollout.max_staleness
         self._ready = queue.Queue()
         model = copy.deepcopy(collector.model).requires_grad_(False)
-        # the worker shares config, task and rewards; owns its policy, data cursor, sampling engine
+        # the worker shares config, task and rewards, and a shared engine (vllm); owns its policy,
+        # data cursor and any other engine (hf: built on its policy at its first batch)
         worker = copy.copy(collector)
-        worker.model, worker.cursor, worker.engine = model, copy.deepcopy(collector.cursor), None
+        worker.model, worker.cursor = model, copy.deepcopy(collector.cursor)
+        worker.engine = collector.worker_engine()
         passes = copy.copy(passes)               # its log-prob passes run on its own policy
         passes.model = model
         self._thread = threading.Thread(
