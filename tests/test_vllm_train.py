@@ -12,7 +12,8 @@ missed sync would fail the check).
 Stopped after step 1 and resumed, such a run repeats the uninterrupted one exactly (time/* aside).
 
 Under rollout.async: s = 0 is the synchronous vllm run exactly; at s = 1 the process worker (its
-own engine) and the thread worker (the trainer's engine, shared) make the same run.
+own engine) and the thread worker (the trainer's engine, shared) make the same run, and so does
+the thread worker's run resumed after step 3 with a stale batch in flight.
 """
 
 import json
@@ -164,16 +165,26 @@ def test_vllm_with_async_staleness_one_process_and_thread_workers_agree(tmp_path
     weighing π_prox against vLLM's log-probs, which now belong to the weights one step earlier
     (mismatch/* far above the synced tolerance). The process worker builds its own engine in
     its process, the thread worker shares the trainer's: the same run, every metric and weight
-    (vLLM seeds each prompt's requests, and both engines hold the same float32 weights)."""
+    (vLLM seeds each prompt's requests, and both engines hold the same float32 weights); and the
+    thread worker's run stopped after step 3 and resumed repeats it too."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     steps, runs = 6, {}
+    stale = lambda run, kind: vllm_config(  # noqa: E731
+        run, sft_cache, "rollout.async=true", "rollout.max_staleness=1", f"train.steps={steps}",
+        f"rollout.async_worker={kind}", "run.save_every=1", f"run.keep_checkpoints={steps}")
     for kind in ("thread", "process"):
-        run = tmp_path / kind
-        cfg = vllm_config(run, sft_cache, "rollout.async=true", "rollout.max_staleness=1",
-                          f"rollout.async_worker={kind}", f"train.steps={steps}")
+        cfg = stale(tmp_path / kind, kind)
         assert (cfg.rollout.async_ratio, cfg.train.rollout_correction.mode) == ("decoupled", "seq_tis")
         Trainer(cfg).run()
-        runs[kind] = read_metrics(run)
+        runs[kind] = read_metrics(tmp_path / kind)
+    # resumed after step 3: batch 4 in flight, sampled by version 2 (the checkpoint's behaviour file)
+    shutil.copytree(tmp_path / "thread", tmp_path / "resumed")
+    for later in range(4, steps + 1):
+        shutil.rmtree(tmp_path / "resumed" / "checkpoints" / f"step_{later:06d}")
+    (tmp_path / "resumed" / "summary.json").unlink()
+    assert (tmp_path / "resumed" / "checkpoints" / "step_000003" / "behaviour-2.safetensors").exists()
+    Trainer(stale(tmp_path / "resumed", "thread"), resume=True).run()
+    runs["resumed"] = read_metrics(tmp_path / "resumed")
     rows = runs["thread"][1:]
     assert [r["async/staleness"] for r in rows] == [0.0] + [1.0] * (steps - 1)
     assert all(r["async/dropped_batches"] == 0 for r in rows)
@@ -188,8 +199,9 @@ def test_vllm_with_async_staleness_one_process_and_thread_workers_agree(tmp_path
     assert after_update, (mismatch, signal)     # (which steps have a signal depends on the machine)
     assert all(mismatch[k] > 100 * TOL for k in after_update), mismatch
     assert all(mismatch[k] < TOL for k in after_none), mismatch
-    assert _timeless(runs["thread"]) == _timeless(runs["process"])
+    assert _timeless(runs["thread"]) == _timeless(runs["process"]) == _timeless(runs["resumed"])
     final = f"step_{steps:06d}"
     w_a = load_model(tmp_path / "thread" / "checkpoints" / final)[0].state_dict()
-    w_b = load_model(tmp_path / "process" / "checkpoints" / final)[0].state_dict()
-    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+    for other in ("process", "resumed"):
+        w_b = load_model(tmp_path / other / "checkpoints" / final)[0].state_dict()
+        assert all(torch.equal(w_a[k], w_b[k]) for k in w_a), other
