@@ -103,3 +103,22 @@ def test_sampling_is_reproducible_for_a_seed(dense):
     rows = a.response_ids.view(len(PROMPTS), G, -1)
     assert any(not torch.equal(r[0], r[1]) for r in rows)     # the G samples of a prompt differ
 
+
+
+def test_a_seeded_batch_longer_than_one_engine_step(dense):
+    """256 seeded rows of 41-token prompts (10,496 prompt tokens) against vLLM's CPU budget of
+    4,096 tokens per engine step: with chunked prefill, the prompt cut across two steps has its
+    sampled token discarded and its seeded generator rewound by an offset, which a CPU generator
+    does not have ("CPU Generator does not use offset"; the long job failed so). On a CPU the
+    engine admits whole prompts only (``engines.whole_prefills``): the batch is sampled, and
+    sampled again the same for the same seed."""
+    _, tok, engine = dense
+    gen = torch.Generator().manual_seed(0)
+    prompts = [tok("S " + " ".join(str(d) for d in torch.randint(0, 10, (20,), generator=gen).tolist())
+                   )["input_ids"] for _ in range(64)]
+    assert sum(len(p) for p in prompts) * G > engines.CPU_PREFILL_TOKENS
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    a = engine.generate(prompts, G, params, seed=5)
+    b = engine.generate(prompts, G, params, seed=5)
+    assert a.response_ids.shape[0] == 64 * G
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp, b.logp)

@@ -188,6 +188,22 @@ class HFEngine(Engine):
 
 # ----------------------------------------------------------------------------- vLLM
 
+CPU_PREFILL_TOKENS = 4096
+"""vLLM's token budget per engine step on a CPU (its own default there), or the model's length
+if longer (``whole_prefills``)."""
+
+
+def whole_prefills(max_model_len: int) -> dict:
+    """vLLM options for a CPU: no chunked prefill. A prompt cut across engine steps has its sampled
+    token discarded, and vLLM then rewinds the request's seeded generator by an offset, which
+    only CUDA generators have: on a CPU a seeded batch whose prompts exceed one step's token
+    budget failed with "CPU Generator does not use offset" (the long job: 256 rows of about 30
+    prompt tokens against 4096). Unchunked, a step admits whole prompts only; the budget must
+    then hold the longest sequence."""
+    return dict(enable_chunked_prefill=False,
+                max_num_batched_tokens=max(CPU_PREFILL_TOKENS, max_model_len))
+
+
 def forget_moe_kernels(worker) -> int:
     """Run in vLLM's worker before ``reload_weights``: drop each MoE layer's kernel, so that the
     reload processes the new experts as a first load does; returns the number of layers.
@@ -242,13 +258,14 @@ class VLLMEngine(Engine):
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self._dir = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
         save_model(model, tokenizer, self._dir.name)            # once; later syncs stay in memory
-        gpu = dict(gpu_memory_utilization=gpu_memory_utilization,
-                   enable_sleep_mode=enable_sleep_mode) if on_gpu else {}
+        platform = (dict(gpu_memory_utilization=gpu_memory_utilization,
+                         enable_sleep_mode=enable_sleep_mode) if on_gpu
+                    else whole_prefills(max_model_len or model.config.max_position_embeddings))
         self.llm = vllm.LLM(model=self._dir.name, tokenizer=self._dir.name,
                             dtype=VLLM_DTYPES[dtype or next(model.parameters()).dtype], seed=seed,
                             enforce_eager=True, max_model_len=max_model_len,
                             logprobs_mode="processed_logprobs",   # after temperature, as the trainer's
-                            **gpu, **llm_options)
+                            **{**platform, **llm_options})
         self.on_gpu = on_gpu
         self.can_sleep = on_gpu and enable_sleep_mode
         self.sleeping = False
