@@ -159,3 +159,13 @@ def test_builtin_task_draws_validation_only_when_asked():
     assert not {e.prompt for e in val} & {e.prompt for e in task.split("test") + task.split("train")}
     assert task.split("test") == build_task(test_cfg).split("test")  # test and train do not move
     assert task.split("train") == build_task(test_cfg).split("train")
+
+
+def test_sft_cache_key_follows_the_library_versions(monkeypatch):
+    """Another transformers (or torch) trains another cold start: it gets its own cache entry."""
+    import transformers
+    cfg = load_config(None, [])
+    first = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)
+    assert cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed) == first
+    monkeypatch.setattr(transformers, "__version__", "0.0.0")
+    assert cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed) != first

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm.auto import tqdm
 
 from gspo.config import SFTConfig, TrainConfig, config_hash
@@ -77,13 +78,22 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
 NOT_TRAINING_DATA = {"n_val", "validation_file"}
 
 
+def library_versions() -> list[str]:
+    """The libraries whose kernels and defaults shape the cold start's weights: part of its cache
+    key, so an environment with other versions trains its own (transformers 5.19 and 5.24 gave
+    the default job's cold starts that differ by up to 0.14 in a weight on one machine)."""
+    return [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+
+
 def cache_key(model_cfg, task_cfg, sft_cfg: SFTConfig, seed: int) -> str:
+    """The cold start's cache entry: its model, training data, SFT settings and seed, and the
+    ``library_versions`` that train it (not the CPU: a cache stays on its machine)."""
     sft = sft_cfg.model_dump(exclude={"cache_dir", "enabled"})
     task = task_cfg.model_dump(exclude=NOT_TRAINING_DATA)
     train_file = getattr(task_cfg, "train_file", None)  # custom data: its content, not only its path
     data = [hashlib.sha256(Path(train_file).read_bytes()).hexdigest()] if train_file else []
     model = model_cfg.model_dump(exclude={"lora"})  # adapters attach after the cold start
-    return config_hash(model, task, sft, seed, *data)
+    return config_hash(model, task, sft, seed, *data, *library_versions())
 
 
 def cached_checkpoint(cache_dir: str | Path, key: str) -> Path | None:
