@@ -239,7 +239,7 @@ class SFTConfig(Section):
     n_examples: int | None = Field(None, ge=1)
     """Use only the first n training demonstrations (None: all)."""
     cache_dir: str = "runs/.sft-cache"
-    """Where cold-start checkpoints are cached, one folder per config hash."""
+    """Where cold-start checkpoints are cached, one folder per hash of the config and the torch and transformers versions."""
 
 
 class RolloutConfig(Section):
