@@ -75,9 +75,12 @@ def test_cpu_time_limit(probe):
         fn("x")
 
 
-def test_memory_limit(probe):
-    with pytest.raises(RewardFault, match="MemoryError"):
+def test_memory_limit_names_the_limit(probe):
+    """A MemoryError's own text is empty: the message says which limit was hit."""
+    with pytest.raises(RewardFault) as err:
         probe("hog", memory_mb=256)("x")
+    assert str(err.value) == ("MemoryError: the sandbox's memory limit was hit "
+                              "(rewards.sandbox_memory_mb = 256 MB for the worker's whole address space)")
 
 
 def test_network_is_cut(probe):

@@ -10,8 +10,8 @@ be configured with ``rewards.sandbox: true``; it then runs here.
 ``fn(completion, **row)``. One worker process (``python -m gspo.rewards.sandbox``) imports the function
 once and serves calls over JSON lines on stdin/stdout: nothing is pickled either way. Per call:
 
-* wall clock: the parent waits ``wall_s``, then kills the worker's process group and starts a
-  fresh one for the next call (the call fails with ``RewardFault``);
+* wall clock: the parent waits ``wall_s``, then kills the worker and everything it started and
+  starts a fresh worker for the next call (the call fails with ``RewardFault``);
 * CPU time: the worker sets its soft ``RLIMIT_CPU`` to what it has used plus ``cpu_s`` before
   each call; going past it kills the worker (SIGXCPU);
 * memory: ``RLIMIT_AS`` of ``memory_mb`` for the whole worker (a ``MemoryError`` in the user's
@@ -19,13 +19,25 @@ once and serves calls over JSON lines on stdin/stdout: nothing is pickled either
 * network: a new network namespace (``unshare``) when the kernel allows it, and in every case
   the ``socket`` module's constructors raise ``PermissionError``. ``isolation`` says which.
 
-Not a jail: the worker sees the file system with the user's permissions and inherits only
+The sandbox owns every process it starts. The worker is a child subreaper
+(``PR_SET_CHILD_SUBREAPER``), so a process the user's code starts stays its descendant even when
+it daemonises (double fork, ``setsid``), and
+
+* after each call the worker kills all its descendants (a reward that shells out to a compiler
+  or a test runner leaves nothing behind; nothing the function starts outlives its call);
+* the parent kills the worker's whole tree (frozen with SIGSTOP first, so nothing forks while it is
+  killed) on a timeout, when the worker is replaced, on ``close()`` and at interpreter exit;
+* a watchdog thread in the worker notices when its parent is gone (the trainer SIGKILLed, or
+  ended by a signal without clean-up) and then kills its descendants and exits.
+
+Descendants are found by their parent pid in ``/proc`` (Linux). Not a jail: the worker sees the file system with the user's permissions and inherits only
 PATH, HOME, LANG and PYTHONPATH from the environment. The worker's stdout and stderr (the user
 function's prints) are discarded.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib
 import json
@@ -37,7 +49,9 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 from gspo.errors import RewardFault
@@ -45,6 +59,9 @@ from gspo.errors import RewardFault
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 STARTUP_S = 60.0  # importing the user's module may take a while
 KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
+PR_SET_CHILD_SUBREAPER = 36
+WATCHDOG_S = 0.2  # how often the worker checks that its parent is alive
+LIVE: weakref.WeakSet = weakref.WeakSet()  # the open sandboxes, closed at interpreter exit
 
 
 @dataclass
@@ -55,6 +72,8 @@ class Limits:
     cpu_s: float = 10.0
     memory_mb: int = 1024
     file_mb: int = 16
+    key: str = "rewards.sandbox"
+    """The config prefix the limits come from, for messages (``rewards.sandbox_memory_mb``)."""
 
 
 class SandboxedFunction:
@@ -66,12 +85,18 @@ class SandboxedFunction:
         self.isolation: str | None = None
         self._proc: subprocess.Popen | None = None
         self._buf = b""
+        LIVE.add(self)
         try:
             self._start()
         except RewardFault as err:  # at build time this is a configuration problem
             raise ValueError(f"reward sandbox: {err}") from None
 
     # -------------------------------------------------------------------------------- parent
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (None between a fault and the next call)."""
+        return None if self._proc is None else self._proc.pid
+
     def __call__(self, completion: str, **row):
         if self._proc is None:
             self._start()
@@ -132,10 +157,12 @@ class SandboxedFunction:
         except subprocess.TimeoutExpired:
             _kill(proc)
             return "unresponsive (killed)"
+        _kill(proc)  # its process group goes with it
         if code == -signal.SIGXCPU:
-            return f"exceeded the CPU-time limit of {self.limits.cpu_s:g} s"
+            return f"exceeded the CPU-time limit of {self.limits.cpu_s:g} s ({self.limits.key}_cpu_s)"
         if code < 0:
-            return f"killed by {signal.Signals(-code).name} (memory limit {self.limits.memory_mb} MB?)"
+            return (f"killed by {signal.Signals(-code).name} (the memory limit, "
+                    f"{self.limits.key}_memory_mb = {self.limits.memory_mb}?)")
         return f"exited with status {code}"
 
     def close(self) -> None:
@@ -148,14 +175,68 @@ class SandboxedFunction:
 
 
 def _kill(proc: subprocess.Popen) -> None:
+    """Kill the worker, everything it started and its process group; reap the worker."""
+    if proc.returncode is None:  # not reaped yet, so its pid is still its own: kill its tree
+        kill_tree(proc.pid, include_root=True)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the worker and anything it started
+        os.killpg(proc.pid, signal.SIGKILL)  # a member that is no descendant any more
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
     for stream in (proc.stdin, proc.stdout):
-        if stream is not None:
+        if stream is not None and not stream.closed:
             stream.close()
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every open sandbox (their workers and all they started): the run's end."""
+    for sandbox in list(LIVE):
+        sandbox.close()
+
+
+# ------------------------------------------------------------------------------ process trees
+def descendants(root: int) -> list[int]:
+    """The pids below ``root`` in the process tree (children first), from ``/proc/*/stat``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # after "(comm)": state, ppid
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, frontier = [], [root]
+    while frontier:
+        frontier = [c for p in frontier for c in children.get(p, [])]
+        found += frontier
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(root: int, include_root: bool) -> None:
+    """SIGKILL everything below ``root`` (and ``root`` itself if asked). Each process is stopped
+    first, until a pass finds no new one, so that nothing forks between the listing and the kill."""
+    stopped: set[int] = set()
+    while True:
+        pids = set(descendants(root)) | ({root} if include_root else set())
+        new = pids - stopped
+        if not new:
+            break
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        stopped |= new
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------------ worker
@@ -190,6 +271,42 @@ def _import(spec: str):
     return obj
 
 
+def _reap_descendants() -> None:
+    """In the worker: kill whatever the user's code started and collect the dead (orphans that
+    re-parented to this subreaper included)."""
+    kill_tree(os.getpid(), include_root=False)
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:  # a child that is not dead yet: SIGKILL is on its way
+            time.sleep(0.01)
+
+
+def _watch_parent(parent: int) -> None:
+    """In the worker: once the parent is gone (its SIGKILL, or a signal that skipped clean-up),
+    kill everything this worker started and exit, whatever the main thread is doing."""
+    while os.getppid() == parent:
+        time.sleep(WATCHDOG_S)
+    kill_tree(os.getpid(), include_root=False)
+    os._exit(1)
+
+
+def _own_descendants() -> None:
+    """Make the worker the subreaper of everything it starts, and watch its parent."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the process group still catches most
+        pass
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _memory_message(config: dict) -> str:
+    return (f"MemoryError: the sandbox's memory limit was hit ({config['key']}_memory_mb = "
+            f"{config['memory_mb']} MB for the worker's whole address space)")
+
+
 def _encode(value) -> dict:
     if value is None:
         return {"value": None}
@@ -206,6 +323,7 @@ def _worker(config: dict) -> None:
     def send(obj: dict) -> None:
         proto.write(json.dumps(obj).encode() + b"\n")
 
+    _own_descendants()
     network = _no_network()
     mem, fsize = config["memory_mb"] << 20, config["file_mb"] << 20
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -227,8 +345,11 @@ def _worker(config: dict) -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_hard))
         try:
             reply = _encode(fn(request["completion"], **request["row"]))
+        except MemoryError:
+            reply = {"error": _memory_message(config)}
         except BaseException as err:  # noqa: BLE001  isolated to this call
             reply = {"error": f"{type(err).__name__}: {err}"[:500]}
+        _reap_descendants()  # nothing the call started outlives it
         send(reply)
 
 
