@@ -123,3 +123,33 @@ def test_sft_command_saves_a_model(capsys, tmp_path):
     assert info["sft_steps"] == 2 and info["checkpoint"] == str(out)
     model, tok = load_model(out)
     assert tok.eos_token_id == 2
+
+
+# ------------------------------------------------------------------------------ warnings
+def test_warnings_print_as_one_line_in_the_tools_voice(tmp_path, capsys, monkeypatch):
+    """A warning raised by gspo (prompts in both the train and the test file) prints as one
+    `gspo: warning:` line: no `path:line: UserWarning:` prefix, no source line under it."""
+    import warnings
+    from gspo import tasks
+    from gspo.cli import one_line_warnings
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    (tmp_path / "overlap_reward.py").write_text("def score(completion, **row): return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with one_line_warnings(), warnings.catch_warnings():
+        warnings.simplefilter("always")
+        tasks.build("custom", train_file=str(rows), test_file=str(rows), reward="overlap_reward:score")
+    err = capsys.readouterr().err
+    assert err == f"gspo: warning: custom task: 2 prompt(s) appear in both {rows} and {rows}\n"
+    assert warnings.showwarning is not None and "one_line" not in warnings.showwarning.__qualname__
+
+
+@pytest.mark.parametrize("filename, line", [
+    ("/x/site-packages/torch/nn/modules/module.py", "gspo: warning (torch): slow path taken"),
+    ("/x/site-packages/gspo/tasks/custom.py", "gspo: warning: slow path taken"),
+    ("/home/me/src/gspo/tasks/custom.py", "gspo: warning: slow path taken"),
+    ("/x/dist-packages/six.py", "gspo: warning (six): slow path taken"),
+])
+def test_warning_line_names_a_library_not_a_path(filename, line):
+    from gspo.cli import warning_line
+    assert warning_line("slow path\n  taken", UserWarning, filename) == line

@@ -16,9 +16,11 @@ above the CLI).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from gspo.errors import EXIT_USAGE, Interrupted, UserError, WriteFailed
@@ -42,6 +44,30 @@ def command_config(args):
 
 def _warn(message: str) -> None:
     print(f"gspo: warning: {message}", file=sys.stderr)
+
+
+def warning_line(message, category, filename: str) -> str:
+    """A Python warning as one line in the tool's voice: ``gspo: warning: <text>`` for gspo's own,
+    ``gspo: warning (torch): <text>`` naming the library for another's; no path, no source line."""
+    text = " ".join(str(message).split())
+    parts = Path(filename).parts
+    origin = next((parts[i + 1] for i, part in enumerate(parts[:-1])
+                   if part in ("site-packages", "dist-packages")), None)
+    if origin is None or origin == "gspo":  # gspo itself (installed or a checkout), or the user's
+        return f"gspo: warning: {text}"
+    return f"gspo: warning ({origin.removesuffix('.py')}): {text}"
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Print warnings with ``warning_line`` while a command runs (restored after it)."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(warning_line(message, category, filename), file=file or sys.stderr)
+    previous, warnings.showwarning = warnings.showwarning, show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 def _provenance(cfg, command: str):
@@ -275,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
-        if hasattr(args, "overrides"):
-            split_config_and_overrides(args)
-        return args.fn(args)
+        with one_line_warnings():
+            if hasattr(args, "overrides"):
+                split_config_and_overrides(args)
+            return args.fn(args)
     except UserError as err:  # the user's to fix wherever raised (ConfigError, RewardError,
         # AuditError...); a ValueError or OSError is one only inside user_input() (preflight)
         print(f"gspo: error: {err}", file=sys.stderr)
