@@ -70,7 +70,7 @@ def test_char_tokenizer_batch_pads_left():
 # ------------------------------------------------------------------------------- presets
 
 def test_available_presets():
-    assert available_presets() == ["deep-moe", "tiny-dense", "tiny-moe"]
+    assert available_presets() == ["deep-moe", "tiny-dense", "tiny-moe", "wide-moe"]
 
 
 def test_tiny_dense_parameter_count(tiny):
@@ -105,6 +105,16 @@ def test_deep_moe_parameter_count():
     assert count_parameters(model) == 2_784_384
     assert (model.config.num_hidden_layers, model.config.num_experts,
             model.config.num_experts_per_tok) == (8, 16, 2)
+
+
+def test_wide_moe_parameter_count():
+    model, _ = build_model("wide-moe", 0)
+    # 4 layers; the MLP is a router 128*64 = 8,192 + 64 experts * 3 * 128*16 = 393,216
+    #   per layer 49,152 + 320 + 8,192 + 393,216 = 450,880
+    #   total 12,800 + 128 + 4 * 450,880 = 1,816,448
+    assert count_parameters(model) == 1_816_448
+    assert (model.config.num_experts, model.config.num_experts_per_tok,
+            model.config.moe_intermediate_size) == (64, 8, 16)
 
 
 def test_build_is_deterministic_in_seed_and_leaves_global_rng(tiny):

@@ -117,6 +117,15 @@ def deep_moe(vocab_size: int, **overrides) -> PretrainedConfig:
                                    "moe_intermediate_size": 48, **overrides})
 
 
+@register_preset("wide-moe")
+def wide_moe(vocab_size: int, **overrides) -> PretrainedConfig:
+    """Qwen3-MoE, 4 layers x 128 wide, 64 experts (16 wide), top-8 routing, every layer MoE: many
+    narrow experts and a wide top-k, as Qwen3-30B-A3B routes (128 experts, top-8), so that a small
+    change of the router's logits changes more of the chosen sets (the stability study)."""
+    return tiny_moe(vocab_size, **{"num_experts": 64, "num_experts_per_tok": 8,
+                                   "moe_intermediate_size": 16, **overrides})
+
+
 available_presets = PRESETS.names
 """Sorted names of the model presets."""
 

@@ -1,0 +1,62 @@
+"""The sampler's fake quantisation (gspo.core.quantize) against values worked out by hand."""
+
+import pytest
+import torch
+
+from gspo.core.quantize import FORMATS, fake_quantize, quantize_weights, quantized
+from gspo.models.presets import build_model
+
+
+def test_int8_rounds_each_row_to_its_own_scale():
+    w = torch.tensor([[1.0, -0.5, 0.3],
+                      [0.0, 0.0, 0.0],
+                      [-2.54, 0.01, 1.0]], dtype=torch.float64)
+    q = fake_quantize(w, "int8")
+    # row 0: s = 1/127; 0.3·127 = 38.1 -> 38; -0.5·127 = -63.5 -> -64 (half to even)
+    assert q[0].tolist() == pytest.approx([1.0, -64 / 127, 38 / 127], abs=1e-15)
+    assert q[1].tolist() == [0.0, 0.0, 0.0]                   # an all-zero row stays zero
+    # row 2: s = 2.54/127 = 0.02; 0.01/0.02 = 0.5 -> 0; 1.0/0.02 = 50 -> 50
+    assert q[2].tolist() == pytest.approx([-2.54, 0.0, 1.0], abs=1e-12)
+    assert q.dtype == torch.float64
+
+
+def test_fp8_casts_through_e4m3_with_one_scale_per_matrix():
+    w = torch.tensor([[448.0, 0.3], [-3.3, 1.0]])
+    # max |w| = 448: scale 1. e4m3 holds 1.mmm · 2^e: 0.3 = 1.2 · 2^-2 -> 1.25 · 2^-2 = 0.3125;
+    # 3.3 = 1.65 · 2^1 -> 1.625 · 2 = 3.25; 1.0 and 448 exact
+    assert fake_quantize(w, "fp8").tolist() == [[448.0, 0.3125], [-3.25, 1.0]]
+    # the same matrix scaled by 1/4: the scale is 112/448 = 1/4, so the values scale with it
+    assert fake_quantize(w / 4, "fp8").tolist() == [[112.0, 0.078125], [-0.8125, 0.25]]
+
+
+def test_a_stack_of_expert_matrices_has_a_scale_per_expert():
+    w = torch.stack([torch.tensor([[448.0, 0.3]]), torch.tensor([[4.48, 0.003]])])   # [E=2, 1, 2]
+    q = fake_quantize(w, "fp8")
+    assert q[0].tolist() == [[448.0, 0.3125]]
+    assert q[1, 0].tolist() == pytest.approx([4.48, 0.003125], rel=1e-6)             # scale 0.01
+    r = fake_quantize(w, "int8")
+    assert r[1, 0].tolist() == pytest.approx([4.48, 0.0], abs=1e-7)                 # 0.003·127/4.48 -> 0
+
+
+def test_which_weights_are_quantised():
+    model, _ = build_model("tiny-moe", 0)
+    named = dict(model.named_parameters())
+    chosen = sorted(n.split("layers.0.")[-1] for n, t in named.items()
+                    if quantized(n, t) and ".layers.0." in n)
+    assert chosen == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "self_attn.k_proj.weight",
+                      "self_attn.o_proj.weight", "self_attn.q_proj.weight", "self_attn.v_proj.weight"]
+    assert not quantized("model.embed_tokens.weight", named["model.embed_tokens.weight"])
+    assert not quantized("model.layers.0.mlp.gate.weight", named["model.layers.0.mlp.gate.weight"])
+    out = quantize_weights(named, "int8")
+    assert out["model.norm.weight"] is named["model.norm.weight"]                   # not copied
+    q = named["model.layers.0.self_attn.q_proj.weight"]
+    moved = (out["model.layers.0.self_attn.q_proj.weight"] - q).abs()
+    step = q.abs().amax(dim=-1, keepdim=True) / 127
+    assert 0 < moved.max() and (moved <= step / 2 + 1e-7).all()                     # half a level at most
+    assert not q.requires_grad or out["model.layers.0.self_attn.q_proj.weight"].grad_fn is None
+
+
+def test_unknown_format_lists_the_formats():
+    assert FORMATS.names() == ["fp8", "int8"]
+    with pytest.raises(ValueError, match="unknown rollout quantisation format 'int4'.*fp8, int8"):
+        fake_quantize(torch.ones(2, 2), "int4")
