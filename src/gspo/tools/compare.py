@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -94,6 +95,10 @@ class Suite(Section):
     """Held-out accuracy for 'steps to reach' (the first evaluated step at or above it)."""
     collapse_min_gain: float = Field(0.05, ge=0)
     """A run whose best gain over the cold start is below this cannot collapse (evaluation noise)."""
+    crash: dict[str, float] = {}
+    """The crash rule's parameters (compare_stats.CRASH_DEFAULTS: min_gain, fall, reward_fraction, window, spike_factor, entropy_band); the defaults unless set."""
+    gate: dict[str, float] = {}
+    """Metric -> the least run mean that counts as the regime reached (e.g. moe/routing_change_rate: 0.05); the crash claim's precondition."""
     claims: dict[str, list[str]] = {}
     """Paper claims to judge -> the variant names they compare, e.g. {stability: [gspo, grpo]};
     a claim whose variants were not run is left out. Claims: ``available_claims()``."""
@@ -418,7 +423,7 @@ def collect(suite: Suite, runs: dict[str, list[Path]], chosen: dict[str, list[st
             cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
             summary["rollout_size"] = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"]
             per_seed.append(run_stats(read_metrics(run_dir), summary, suite.threshold,
-                                      suite.collapse_min_gain))
+                                      suite.collapse_min_gain, suite.crash, suite.gate))
         variants[v.name] = {"overrides": v.overrides, "tuned_overrides": chosen.get(v.name, []),
                             "runs": per_seed, "summary": aggregate(per_seed)}
     results = {**meta, "quick_overrides": suite.quick, "threshold": suite.threshold, "collapse_min_gain": suite.collapse_min_gain,
@@ -499,12 +504,65 @@ def claim_routing_replay(gspo: dict, grpo: dict, grpo_replay: dict) -> tuple[str
                      f"{rr['collapses']}/{rr['seeds']}")
 
 
+CRASH_MAJORITY, CRASH_FEW = 0.6, 0.2  # "GRPO in >= 3 of 5 seeds, GSPO in <= 1"
+
+
+def paired_final(a: dict, b: dict) -> dict:
+    """a − b of the final accuracy over the seeds both ran: mean, sample std, and two standard
+    errors of one evaluation's difference, 2·sqrt(pa(1−pa)/n + pb(1−pb)/n) at the means."""
+    fa = {r["seed"]: r for r in a["runs"]}
+    pairs = [(fa[r["seed"]], r) for r in b["runs"] if r["seed"] in fa]
+    if not pairs:
+        return {"diff": None, "std": None, "two_se": None, "n": 0}
+    diffs = [x["final_accuracy"] - y["final_accuracy"] for x, y in pairs]
+    pa = statistics.fmean(x["final_accuracy"] for x, _ in pairs)
+    pb = statistics.fmean(y["final_accuracy"] for _, y in pairs)
+    n = min((x.get("eval_n") or 0) for pair in pairs for x in pair)
+    two_se = 2 * math.sqrt(pa * (1 - pa) / n + pb * (1 - pb) / n) if n else None
+    return {"diff": statistics.fmean(diffs), "std": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+            "two_se": two_se, "n": len(pairs)}
+
+
+def claim_crash(gspo: dict, grpo: dict, grpo_tight: dict) -> tuple[str, str]:
+    """Where GRPO crashes (sampler mismatch, routing churn), GSPO holds; a tightly clipped GRPO
+    controls for GSPO's tight clip. Verdicts: regime not reached | reproduced | refuted at this
+    scale | inconclusive (docs/compare.md, "Crashes")."""
+    g, r, t = gspo["summary"], grpo["summary"], grpo_tight["summary"]
+    paired = paired_final(gspo, grpo)
+    reached = all(s["gate_reached"] * 2 > s["seeds"] for s in (g, r))     # a majority of each arm's runs
+    beyond = (paired["diff"] is not None and paired["two_se"] is not None
+              and paired["diff"] > max(paired["std"], paired["two_se"]))
+    against = (paired["diff"] is not None and paired["two_se"] is not None
+               and -paired["diff"] > max(paired["std"], paired["two_se"]))
+    if not reached:
+        verdict = "regime not reached"
+    elif (r["crashes"] >= CRASH_MAJORITY * r["seeds"] and g["crashes"] <= CRASH_FEW * g["seeds"]
+          and beyond and t["crashes"] > g["crashes"]):
+        verdict = "reproduced"
+    elif (r["crashes"] and g["crashes"] >= r["crashes"]) or against:
+        verdict = "refuted at this scale"
+    else:
+        verdict = "inconclusive"
+    return verdict, (f"gate reached in {g['gate_reached']}/{g['seeds']} GSPO and {r['gate_reached']}/"
+                     f"{r['seeds']} GRPO runs; crashes GSPO {g['crashes']}/{g['seeds']}, GRPO "
+                     f"{r['crashes']}/{r['seeds']}, tight-clip GRPO {t['crashes']}/{t['seeds']}; "
+                     f"paired final GSPO − GRPO {_num(paired['diff'], '+.3f')} (seed std "
+                     f"{_num(paired['std'])}, two evaluation SEs {_num(paired['two_se'])}, "
+                     f"{paired['n']} seeds)")
+
+
+def _num(x: float | None, fmt: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
 # claim -> (number of variants, judge, the claim as the report states it)
 CLAIMS: dict[str, tuple[int, Callable, str]] = {
     "stability": (2, claim_stability, "GSPO trains more stably and efficiently than GRPO (Fig. 1)"),
     "clipping": (2, claim_clipping, "GSPO clips far more tokens than GRPO yet learns as well or better (Fig. 2)"),
     "routing_replay": (3, claim_routing_replay, "MoE: GSPO trains stably without Routing Replay "
                                                 "while GRPO needs it (Fig. 3)"),
+    "crash": (3, claim_crash, "Where GRPO crashes (sampler/trainer mismatch, routing churn), GSPO "
+                              "holds, and not only by clipping tightly"),
 }
 
 
