@@ -59,6 +59,17 @@ def test_none_measures_without_correcting():
     assert s["masked_frac"] == 0 and s["is_weight_mean"] == 1
 
 
+def test_ratio_tails_count_the_loss_tokens_beyond_two_either_way():
+    # ρ_t = 0.4, 1.25, 3.0, 1.0, 1.5: one above 2 (3.0), one below 1/2 (0.4), of 5 tokens; the
+    # padding position of row 1 (0.123/0.999 = 0.12) is not a loss token and is not counted
+    for name in ("none", "tis", "icepop", "seq_tis", "seq_mask"):
+        s = stats(run(name)[0])
+        assert s["ratio_above_2_frac"] == pytest.approx(1 / 5) and s["ratio_below_half_frac"] == pytest.approx(1 / 5)
+    exactly = torch.tensor([[math.log(2.0), -math.log(2.0)]], dtype=F64)
+    tails = correction.ratio_tails(exactly, torch.ones(1, 2, dtype=F64))
+    assert tails["ratio_above_2_frac"] == 0 and tails["ratio_below_half_frac"] == 0  # 2 itself is not beyond
+
+
 def test_tis_caps_token_ratios():
     out, mask = run("tis", cap=2.0)
     w = out.weight

@@ -20,7 +20,9 @@ over the tokens of `mask`, before the correction's own mask:
 * ``ratio_min`` / ``ratio_max``: of the ratio the correction acts on (ρ_t for token-level ones,
   the geometric mean ρ_i of a response for sequence-level ones; ρ_t for ``none``);
 * ``masked_frac``: share of the tokens the correction masks out;
-* ``is_weight_mean``: mean weight over the tokens it keeps.
+* ``is_weight_mean``: mean weight over the tokens it keeps;
+* ``ratio_above_2_frac`` / ``ratio_below_half_frac``: share of the tokens whose ρ_t > 2 / < 1/2
+  (the crash precursor the R3 paper reports: > 10% of tokens beyond 2x at the crash).
 
 The formulas: docs/math.md ("Rollout-mismatch correction"). This module never calls ``.item()``.
 """
@@ -28,6 +30,7 @@ The formulas: docs/math.md ("Rollout-mismatch correction"). This module never ca
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -38,7 +41,7 @@ from torch import Tensor
 from gspo.core.objectives import LOG_RATIO_LIMIT, kl_k3, masked_mean
 from gspo.registry import Registry
 
-__all__ = ["Correction", "CorrectionSpec", "available", "register", "spec", "weighted_advantages"]
+__all__ = ["Correction", "CorrectionSpec", "available", "ratio_tails", "register", "spec", "weighted_advantages"]
 
 
 @dataclass
@@ -51,7 +54,7 @@ class Correction:
     mask: Tensor
     """[N, T] 1 keeps the token in the loss, 0 drops it (and it leaves the loss's normalisers)."""
     stats: dict[str, Tensor]
-    """kl, ratio_min, ratio_max, masked_frac, is_weight_mean (unprefixed)."""
+    """kl, ratio_min, ratio_max, masked_frac, is_weight_mean, ratio_above_2_frac, ratio_below_half_frac (unprefixed)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,19 @@ def _stats(delta: Tensor, acted: Tensor, where: Tensor, weight: Tensor, keep: Te
         "ratio_max": torch.where(where.any(), high, one),
         "masked_frac": (m - kept).sum() / m.sum().clamp(min=1),
         "is_weight_mean": masked_mean(weight, kept),
+        **ratio_tails(delta, m),
     }
+
+
+LOG_TWO = math.log(2.0)
+
+
+def ratio_tails(delta: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Share of the tokens of ``mask`` whose ρ_t = exp(δ_t) is beyond 2 either way (δ [N, T])."""
+    m = (mask > 0).to(delta.dtype)
+    count = m.sum().clamp(min=1)
+    return {"ratio_above_2_frac": (m * (delta > LOG_TWO)).sum() / count,
+            "ratio_below_half_frac": (m * (delta < -LOG_TWO)).sum() / count}
 
 
 def _token_result(delta: Tensor, weight: Tensor, keep: Tensor, mask: Tensor) -> Correction:
