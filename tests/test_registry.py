@@ -66,7 +66,7 @@ def test_a_copy_takes_new_names_without_changing_the_original():
 
 # The registries of the package keep the messages users saw before they shared this class.
 @pytest.mark.parametrize("lookup, error, message", [
-    (tasks.get, ValueError, "unknown task 'nope'; valid tasks: arithmetic, countdown, custom, "),
+    (tasks.get, ValueError, "unknown task 'nope'; valid tasks: arithmetic, calculator, countdown, custom, "),
     (presets.preset_config, ValueError, "unknown model preset 'nope'; valid presets: deep-moe, tiny-dense, tiny-moe, wide-moe"),
     (engines.check, engines.EngineUnavailable, "unknown engine 'nope'; valid: hf, vllm"),
     (objectives.spec, ValueError, "unknown objective 'nope'; valid: cispo, gmpo, grpo, gspo, "),

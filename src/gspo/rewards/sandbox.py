@@ -7,7 +7,8 @@ user function that runs generated code (``exec``, ``subprocess``, a Python inter
 be configured with ``rewards.sandbox: true``; it then runs here.
 
 ``SandboxedFunction("module:function", limits)`` is called like the function,
-``fn(completion, **row)``. One worker process (``python -m gspo.rewards.sandbox``) imports the function
+``fn(completion, **row)``, and returns a number; with ``kind="tool"`` (a multi-turn tool) it is
+called ``fn(**arguments)`` and returns what the tool returned (str, int, float or bool). One worker process (``python -m gspo.rewards.sandbox``) imports the function
 once and serves calls over JSON lines on stdin/stdout: nothing is pickled either way. Per call:
 
 * wall clock: the parent waits ``wall_s``, then kills the worker and everything it started and
@@ -59,6 +60,7 @@ from gspo.errors import RewardFault
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 STARTUP_S = 60.0  # importing the user's module may take a while
 KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
+KINDS = ("reward", "tool")  # fn(completion, **row) -> number | fn(**arguments) -> str/int/float/bool
 PR_SET_CHILD_SUBREAPER = 36
 WATCHDOG_S = 0.2  # how often the worker checks that its parent is alive
 LIVE: weakref.WeakSet = weakref.WeakSet()  # the open sandboxes, closed at interpreter exit
@@ -79,8 +81,10 @@ class Limits:
 class SandboxedFunction:
     """``fn(completion, **row) -> value`` run in a limited worker process; faults raise ``RewardFault``."""
 
-    def __init__(self, spec: str, limits: Limits | None = None):
-        self.spec, self.limits = spec, limits or Limits()
+    def __init__(self, spec: str, limits: Limits | None = None, kind: str = "reward"):
+        if kind not in KINDS:
+            raise ValueError(f"sandbox kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        self.spec, self.limits, self.kind = spec, limits or Limits(), kind
         self.__qualname__ = spec  # FunctionReward names its source after this
         self.isolation: str | None = None
         self._proc: subprocess.Popen | None = None
@@ -97,10 +101,13 @@ class SandboxedFunction:
         """The worker's process id (None between a fault and the next call)."""
         return None if self._proc is None else self._proc.pid
 
-    def __call__(self, completion: str, **row):
+    def __call__(self, *completion: str, **row):
         if self._proc is None:
             self._start()
-        request = json.dumps({"completion": completion, "row": row}, default=repr) + "\n"
+        if len(completion) != (self.kind == "reward"):
+            raise TypeError(f"a sandboxed {self.kind} takes {'one positional argument' if self.kind == 'reward' else 'keyword arguments only'}")
+        request = json.dumps({"completion": completion[0] if completion else None, "row": row},
+                             default=repr) + "\n"
         try:
             self._proc.stdin.write(request.encode())
             self._proc.stdin.flush()
@@ -113,14 +120,15 @@ class SandboxedFunction:
         if "error" in reply:
             raise RewardFault(reply["error"])
         if "type" in reply:
-            raise RewardFault(f"returned {reply['type']} {reply['repr']}, expected a number")
-        return reply.get("value")  # None (the function returned None) or a float, maybe NaN
+            expected = "a number" if self.kind == "reward" else "str, int, float or bool"
+            raise RewardFault(f"returned {reply['type']} {reply['repr']}, expected {expected}")
+        return reply.get("value")  # None (the function returned None), a float (maybe NaN); a tool's value
 
     def _start(self) -> None:
         env = {k: os.environ[k] for k in KEEP_ENV if k in os.environ}
         paths = [os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        config = json.dumps({"spec": self.spec, **asdict(self.limits)})
+        config = json.dumps({"spec": self.spec, "kind": self.kind, **asdict(self.limits)})
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "gspo.rewards.sandbox", config], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -307,6 +315,12 @@ def _memory_message(config: dict) -> str:
             f"{config['memory_mb']} MB for the worker's whole address space)")
 
 
+def _encode_tool(value) -> dict:
+    if isinstance(value, (str, bool, int, float)):
+        return {"value": value}
+    return {"type": type(value).__name__, "repr": repr(value)[:80]}
+
+
 def _encode(value) -> dict:
     if value is None:
         return {"value": None}
@@ -344,7 +358,10 @@ def _worker(config: dict) -> None:
             soft = min(soft, cpu_hard)
         resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_hard))
         try:
-            reply = _encode(fn(request["completion"], **request["row"]))
+            if config["kind"] == "tool":
+                reply = _encode_tool(fn(**request["row"]))
+            else:
+                reply = _encode(fn(request["completion"], **request["row"]))
         except MemoryError:
             reply = {"error": _memory_message(config)}
         except BaseException as err:  # noqa: BLE001  isolated to this call
