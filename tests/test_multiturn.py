@@ -1,0 +1,189 @@
+"""The multi-turn rollout loop (gspo.rollout.multiturn) with a scripted sampler and scripted
+environments: exact ids, masks (policy turns and their end-of-turn tokens 1, observations 0,
+attention 1 on every real token) and sampler log-probs for each way a row ends; a non-canonical
+BPE split survives; observation positions reach no objective of the registry."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from gspo.core import objectives
+from gspo.envs import Observation, Reply, Turn
+from gspo.rollout.multiturn import Budgets, episode_metrics, run_episodes, text_observer, to_tensors
+
+EOS, PAD = 0, 99
+
+
+def encode(text: str) -> list[int]:  # a toy tokenizer: one id per character, its code point
+    return [ord(c) for c in text]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+class Script:
+    """A sampler that replays scripted turns per row (in call order), log-prob -0.1·(k+1) each."""
+
+    def __init__(self, turns: dict[int, list[str]], eos_after: bool = True):
+        self.turns, self.calls, self.eos_after = turns, [], eos_after
+
+    def __call__(self, contexts, max_new):
+        self.calls.append((contexts, max_new))
+        out = []
+        for context, room in zip(contexts, max_new):
+            row = next(r for r, p in self.prompts.items() if context[:len(p)] == p)
+            text = self.turns[row].pop(0)
+            ids = encode(text) + ([EOS] if not text.endswith("~") else [])   # "~": no end-of-turn
+            ids = [i for i in ids if i != ord("~")][:room]
+            out.append((ids, [-0.1 * (k + 1) for k in range(len(ids))]))
+        return out
+
+
+class Echo:
+    """Answers '=<turn>' until the turn is 'stop'; counts a tool call per answer."""
+
+    def step(self, turn: Turn) -> Reply:
+        if not turn.ended or turn.text == "stop":
+            return Reply(None)
+        return Reply(Observation(text=f"={turn.text}\n"), tool_calls=1)
+
+    def reward(self):
+        return None
+
+
+def run(turns, budgets=Budgets(max_turns=3, max_new_tokens=8, max_total_tokens=40, max_observation_tokens=10)):
+    prompts = [encode(f"P{i}:") for i in range(len(turns))]
+    sampler = Script({i: list(t) for i, t in enumerate(turns)})
+    sampler.prompts = dict(enumerate(prompts))
+    rows = run_episodes(sampler, prompts, [Echo() for _ in prompts], text_observer(encode), decode, EOS,
+                        budgets, encode=encode)
+    return rows, sampler
+
+
+def test_each_way_a_row_ends_with_exact_ids_masks_and_logprobs():
+    rows, sampler = run([
+        ["ab", "stop"],                 # done: EOS and the environment says done
+        ["ab", "cdefghijkl~"],          # no_eos: the second turn hits 8 tokens without EOS
+        ["a", "b", "c"],                # turns: 3 turns used, the environment still answers
+        ["abcdefghi~"],                 # no_eos on turn 1 (8 tokens, cut)
+        ["abcdefg"],                    # budget: the observation "=abcdefg\n" is 9 tokens > 8
+    ], Budgets(max_turns=3, max_new_tokens=8, max_total_tokens=40, max_observation_tokens=8))
+    r = rows[0]
+    assert r.end == "done" and r.turns == ["ab", "stop"]
+    assert r.ids == encode("ab") + [EOS] + encode("=ab\n") + encode("stop") + [EOS]
+    assert r.policy == [1, 1, 1] + [0] * 4 + [1] * 5           # each turn's EOS is a policy token
+    assert r.logp == [-0.1, -0.2, pytest.approx(-0.3)] + [0.0] * 4 + [pytest.approx(-0.1 * k) for k in range(1, 6)]
+    assert (r.tool_calls, r.observation_tokens) == (1, 4)
+    assert rows[1].end == "no_eos" and rows[1].ids[-1] != EOS and rows[1].policy[-8:] == [1] * 8
+    assert rows[2].end == "turns" and rows[2].turns == ["a", "b", "c"]
+    assert rows[2].ids == encode("a") + [EOS] + encode("=a\n") + encode("b") + [EOS] + encode("=b\n") + encode("c") + [EOS]
+    assert rows[3].end == "no_eos" and rows[3].ids == encode("abcdefgh")
+    assert rows[4].end == "budget" and rows[4].ids == encode("abcdefg") + [EOS]   # 9 > 8: not appended
+    # later turns continue each live row from its own ids; the room is min(per-turn, total left)
+    contexts, room = sampler.calls[1]
+    assert contexts[0] == encode("P0:") + encode("ab") + [EOS] + encode("=ab\n") and room == [8, 8, 8]
+
+
+def test_the_total_budget_cuts_turns_and_refuses_observations():
+    # 40 in all: turn 1 is 8 tokens ("abcdefg" + EOS), "=abcdefg\n" 9 -> 17; turn 2 -> 25, 9 -> 34;
+    # turn 3 has 6 left: cut there without EOS
+    rows, sampler = run([["abcdefg", "abcdefg", "abcdefg"]],
+                        Budgets(max_turns=4, max_new_tokens=8, max_total_tokens=40, max_observation_tokens=10))
+    assert rows[0].end == "no_eos" and len(rows[0].ids) == 40 and sampler.calls[2][1] == [6]
+    # 34 in all: the second observation would leave no room for a turn: not appended
+    rows, _ = run([["abcdefg", "abcdefg", "abcdefg"]],
+                  Budgets(max_turns=4, max_new_tokens=8, max_total_tokens=34, max_observation_tokens=10))
+    assert rows[0].end == "budget" and len(rows[0].ids) == 25 and sum(rows[0].policy) == 16
+
+
+def test_tensors_attend_everywhere_real_and_train_only_policy_tokens():
+    rows, _ = run([["ab", "stop"], ["x", "stop"]])
+    t = to_tensors(rows, PAD)
+    L = t["input_ids"].shape[1]
+    T = t["response_mask"].shape[1]
+    assert T == len(rows[0].ids) and L == 3 + T
+    assert t["input_ids"][1, :3].tolist() == encode("P1:")
+    assert t["attention_mask"][0].tolist() == [1] * L
+    assert t["attention_mask"][1].tolist() == [1] * (3 + len(rows[1].ids)) + [0] * (T - len(rows[1].ids))
+    assert t["response_mask"][0].tolist() == rows[0].policy
+    assert t["response_mask"][0].sum() == 8                          # |y_i| = policy tokens only
+    assert t["rollout_logp"][0, 3:7].tolist() == [0.0] * 4           # the observation "=ab\n"
+    assert t["truncated"].tolist() == [False, False]
+
+
+def test_a_non_canonical_bpe_split_survives_and_is_counted_as_drift():
+    from gspo.rollout.tokenization import build_bpe_tokenizer
+    tok = build_bpe_tokenizer(["user hello hello hello world", "assistant hello world"] * 20, 300)
+    canonical = tok("hello", add_special_tokens=False)["input_ids"]
+    split = [i for ch in "hello" for i in tok(ch, add_special_tokens=False)["input_ids"]]
+    assert canonical != split and tok.decode(split) == "hello"
+    eos = tok.eos_token_id
+
+    def sample(contexts, room):
+        return [(split + [eos], [-0.5] * (len(split) + 1)) for _ in contexts]
+
+    class Done:
+        def step(self, turn):
+            return Reply(None)
+
+        def reward(self):
+            return None
+
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    rows = run_episodes(sample, [enc("hi")], [Done()], text_observer(enc), tok.decode, eos,
+                        Budgets(), encode=enc)
+    assert rows[0].ids == split + [eos] and rows[0].turns == ["hello"]   # the sampler's ids, kept
+    assert episode_metrics(rows)["multiturn/retokenization_drift"] == 1.0
+
+
+def test_metrics():
+    rows, _ = run([["ab", "stop"], ["a", "b", "c"]])
+    m = episode_metrics(rows)
+    # the second row's third turn was answered too (a call pending when the turns ran out)
+    assert m["multiturn/turns_mean"] == 2.5 and m["multiturn/tool_calls_mean"] == 2.0
+    assert m["multiturn/end_done"] == 0.5 and m["multiturn/end_turns"] == 0.5
+    assert m["multiturn/env_tokens_mean"] == (4 + 3 + 3) / 2 and m["multiturn/retokenization_drift"] == 0.0
+
+
+# ----------------------------------------------------------- observation positions and the loss
+NAMES = ["cispo", "gmpo", "grpo", "gspo", "gspo_token", "luspo", "ppo", "sapo"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_perturbing_logprobs_at_observation_positions_changes_neither_loss_nor_gradient(name):
+    """Holes in the middle of a row (observation tokens, mask 0): any value there, for the
+    current and the old log-probs, leaves the loss and its gradient unchanged."""
+    assert sorted(objectives.available()) == NAMES                     # the whole registry
+    g = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 1]], dtype=torch.float64)
+    old = -torch.rand(3, 6, generator=g, dtype=torch.float64) - 0.1
+    logp = (old + 0.2 * torch.randn(3, 6, generator=g, dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64)
+    holes = mask == 0
+    logp2 = torch.where(holes, torch.full_like(logp, -40.0), logp.detach()).requires_grad_()
+    old2 = torch.where(holes, torch.full_like(old, 5.0), old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, _ = objectives.get(name)(logp, old, adv, mask, token_sum_norm=6.0)
+        loss2, _ = objectives.get(name)(logp2, old2, adv, mask, token_sum_norm=6.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (grad2,) = torch.autograd.grad(loss2, logp2)
+    torch.testing.assert_close(loss2, loss)
+    torch.testing.assert_close(grad2, grad)
+    assert torch.all(grad2[holes] == 0)
+
+
+def test_gspo_sequence_ratio_is_over_policy_tokens_by_hand():
+    # one row: policy tokens at 0, 1, 4 with log-ratios 0.3, -0.1, 0.4; the holes hold anything.
+    # log s = (0.3 - 0.1 + 0.4) / 3 = 0.2 (the length is 3, the policy's tokens, not 5)
+    mask = torch.tensor([[1, 1, 0, 0, 1]], dtype=torch.float64)
+    old = torch.zeros(1, 5, dtype=torch.float64)
+    logp = torch.tensor([[0.3, -0.1, 9.0, -9.0, 0.4]], dtype=torch.float64, requires_grad=True)
+    _, stats = objectives.get("gspo")(logp, old, torch.tensor([1.0], dtype=torch.float64), mask,
+                                      eps_low=10.0, eps_high=10.0)
+    assert stats["ratio_mean"].item() == pytest.approx(math.exp(0.2))
