@@ -32,11 +32,10 @@ class Script:
     def __init__(self, turns: dict[int, list[str]], eos_after: bool = True):
         self.turns, self.calls, self.eos_after = turns, [], eos_after
 
-    def __call__(self, contexts, max_new):
+    def __call__(self, contexts, max_new, rows):
         self.calls.append((contexts, max_new))
         out = []
-        for context, room in zip(contexts, max_new):
-            row = next(r for r, p in self.prompts.items() if context[:len(p)] == p)
+        for row, room in zip(rows, max_new):
             text = self.turns[row].pop(0)
             ids = encode(text) + ([EOS] if not text.endswith("~") else [])   # "~": no end-of-turn
             ids = [i for i in ids if i != ord("~")][:room]
@@ -59,7 +58,6 @@ class Echo:
 def run(turns, budgets=Budgets(max_turns=3, max_new_tokens=8, max_total_tokens=40, max_observation_tokens=10)):
     prompts = [encode(f"P{i}:") for i in range(len(turns))]
     sampler = Script({i: list(t) for i, t in enumerate(turns)})
-    sampler.prompts = dict(enumerate(prompts))
     rows = run_episodes(sampler, prompts, [Echo() for _ in prompts], text_observer(encode), decode, EOS,
                         budgets, encode=encode)
     return rows, sampler
@@ -124,7 +122,7 @@ def test_a_non_canonical_bpe_split_survives_and_is_counted_as_drift():
     assert canonical != split and tok.decode(split) == "hello"
     eos = tok.eos_token_id
 
-    def sample(contexts, room):
+    def sample(contexts, room, rows):
         return [(split + [eos], [-0.5] * (len(split) + 1)) for _ in contexts]
 
     class Done:
@@ -139,6 +137,24 @@ def test_a_non_canonical_bpe_split_survives_and_is_counted_as_drift():
                         Budgets(), encode=enc)
     assert rows[0].ids == split + [eos] and rows[0].turns == ["hello"]   # the sampler's ids, kept
     assert episode_metrics(rows)["multiturn/retokenization_drift"] == 1.0
+
+
+def test_demonstrations_replay_the_turns_through_the_environment():
+    """Multi-turn SFT rows: the environment writes the observations between the demonstration's
+    turns; the loss trains on the policy's turns (and their EOS) only."""
+    from gspo import envs, tasks
+    from gspo.envs.tools import ToolRunner
+    from gspo.rollout.multiturn import demonstrations
+    example = tasks.build("calculator", n_train=1, n_test=1, call_fraction=1.0).split("train")[0]
+    runner = ToolRunner(["gspo.tasks.tooluse:calc"])
+    env = envs.build("tools", example, runner=runner, call_format="bracket")
+    rows = demonstrations([encode(example.prompt)], [example.data["turns"]], [env], text_observer(encode),
+                          encode, decode, EOS, Budgets(max_turns=3, max_new_tokens=20, max_total_tokens=80))
+    call, answer = example.data["turns"]
+    value = example.data["value"]
+    assert rows[0].end == "done" and rows[0].turns == [call, answer]
+    assert rows[0].ids == encode(call) + [EOS] + encode(f"={value}\n") + encode(answer) + [EOS]
+    assert rows[0].policy == [1] * (len(call) + 1) + [0] * (len(value) + 2) + [1] * (len(answer) + 1)
 
 
 def test_metrics():

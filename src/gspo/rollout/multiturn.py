@@ -35,9 +35,10 @@ from gspo.envs import Environment, Observation, Turn
 
 ENDS = ("done", "no_eos", "turns", "budget")
 
-Sampler = Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]]
-"""sample(contexts, max_new) -> per context (sampled ids, their log-probs): one turn each, stopping
-at the end-of-turn token (included) or after max_new tokens."""
+Sampler = Callable[[list[list[int]], list[int], list[int]], list[tuple[list[int], list[float]]]]
+"""sample(contexts, max_new, rows) -> per context (sampled ids, their log-probs): one turn each,
+stopping at the end-of-turn token (included) or after max_new tokens. ``rows`` are the contexts'
+row indices (an engine ignores them; a demonstration replays each row's own turns)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def run_episodes(sample: Sampler, prompts: Sequence[list[int]], environments: Se
         if not live:
             break
         room = [min(budgets.max_new_tokens, budgets.max_total_tokens - len(rows[i].ids)) for i in live]
-        outputs = sample([rows[i].prompt + rows[i].ids for i in live], room)
+        outputs = sample([rows[i].prompt + rows[i].ids for i in live], room, live)
         still = []
         for i, (ids, logp) in zip(live, outputs):
             if take_turn(rows[i], environments[i], ids, logp, observe, decode, eos, budgets,
@@ -142,6 +143,25 @@ def take_turn(row: Row, env: Environment, ids: list[int], logp: list[float],
             row.logp += [0.0] * len(obs)
             row.observation_tokens += len(obs)
     return row.end is None
+
+
+def demonstrations(prompts: Sequence[list[int]], turns: Sequence[Sequence[str]],
+                   environments: Sequence[Environment], observe: Callable[[Observation], list[int]],
+                   encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], eos: int,
+                   budgets: Budgets) -> list[Row]:
+    """Multi-turn SFT demonstrations: each row's policy turns (text, encoded, EOS after each)
+    replayed through the same loop, so the environment writes the observations between them as it
+    will in RL, and ``policy`` marks the tokens the SFT loss trains on (the policy's turns only)."""
+    queues = [list(t) for t in turns]
+
+    def replay(contexts, room, rows):
+        out = []
+        for i, limit in zip(rows, room):
+            ids = (encode(queues[i].pop(0)) + [eos])[:limit] if queues[i] else [eos]
+            out.append((ids, [0.0] * len(ids)))
+        return out
+
+    return run_episodes(replay, prompts, environments, observe, decode, eos, budgets)
 
 
 def text_observer(encode: Callable[[str], list[int]]) -> Callable[[Observation], list[int]]:
