@@ -91,3 +91,24 @@ def test_paired_final_difference():
     # 0.4: 2·sqrt(0.55·0.45/200 + 0.4·0.6/200) = 2·sqrt(0.0024375) = 0.09874
     assert (p["n"], p["diff"]) == (2, pytest.approx(0.15))
     assert p["std"] == pytest.approx(0.0707107, rel=1e-5) and p["two_se"] == pytest.approx(0.098742, rel=1e-4)
+
+
+def test_the_report_lists_each_runs_crash_and_gate():
+    from gspo.tools.compare_report import crash_section
+    run = {**_run(0, 0.1, True, True), "crash": {"crashed": True, "by": "accuracy", "step": 40,
+                                                  "grad_spike_step": 31, "entropy_excursion_step": None},
+           "gate": {"moe/routing_change_rate": 0.061}}
+    results = {"gate": {"moe/routing_change_rate": 0.05}, "crash_rule": dict(RULE), "claims": [],
+               "variants": {"grpo": {"runs": [run]}}}
+    lines = crash_section(results)
+    assert lines[0] == "## Crashes"
+    assert "| grpo seed 0 | yes (accuracy, step 40) | 31 | – | 0.061 | reached |" in lines
+    assert crash_section({"claims": [], "variants": {}}) == []      # not a stability suite: nothing
+
+
+def test_a_suite_with_an_unknown_crash_parameter_is_refused(tmp_path):
+    from gspo.config import ConfigError
+    suite = tmp_path / "s.yaml"
+    suite.write_text("base: configs/default.yaml\nvariants: [{name: a}]\ncrash: {min_gian: 0.2}\n")
+    with pytest.raises(ConfigError, match=r"crash has no parameter \['min_gian'\]; valid: min_gain, fall"):
+        compare.load_suite(suite)

@@ -38,8 +38,8 @@ from gspo.errors import UserError
 from gspo.observe.metrics import read_metrics
 from gspo.tools.compare_report import write_report
 from gspo.training import provenance
-from gspo.tools.compare_stats import (aggregate, axis_differences, compare_means, eval_series, pm,
-                                      run_stats)
+from gspo.tools.compare_stats import (CRASH_DEFAULTS, aggregate, axis_differences, compare_means,
+                                      eval_series, pm, run_stats)
 from gspo.training.cold_start import cache_key, cached_checkpoint
 from gspo.training.trainer import Trainer
 
@@ -122,6 +122,8 @@ def load_suite(path: str | Path) -> Suite:
     for name, candidates in suite.tune.grid.items():
         if not candidates:
             raise ConfigError(f"{path}: tune.grid.{name} lists no candidates")
+    if unknown := sorted(set(suite.crash) - set(CRASH_DEFAULTS)):
+        raise ConfigError(f"{path}: crash has no parameter {unknown}; valid: {', '.join(CRASH_DEFAULTS)}")
     for claim, roles in suite.claims.items():
         if claim not in CLAIMS:
             raise ConfigError(f"{path}: unknown claim {claim!r}; valid: {', '.join(CLAIMS)}")
@@ -427,6 +429,7 @@ def collect(suite: Suite, runs: dict[str, list[Path]], chosen: dict[str, list[st
         variants[v.name] = {"overrides": v.overrides, "tuned_overrides": chosen.get(v.name, []),
                             "runs": per_seed, "summary": aggregate(per_seed)}
     results = {**meta, "quick_overrides": suite.quick, "threshold": suite.threshold, "collapse_min_gain": suite.collapse_min_gain,
+               "crash_rule": {**CRASH_DEFAULTS, **suite.crash}, "gate": suite.gate,
                "shared_overrides": suite.overrides, "variants": variants}
     results["claims"] = judge_claims(suite.claims, variants)
     if suite.axis is not None:

@@ -116,6 +116,31 @@ def routing_lines(results: dict) -> list[str]:
             "model): " + ", ".join(f"{n} {_cell(r, '.4f')}" for n, r in rates.items()) + ".", ""]
 
 
+def crash_section(results: dict) -> list[str]:
+    """Runs of a suite with a crash claim or a gate: per run, whether and when it crashed, its first
+    gradient-norm spike and entropy excursion, and the run means of the gate's metrics."""
+    if not results.get("gate") and not any(c["claim"] == "crash" for c in results.get("claims", [])):
+        return []
+    gate = results.get("gate") or {}
+    lines = ["## Crashes", "",
+             "The rule (docs/compare.md, \"Crashes\", fixed before the runs): "
+             + ", ".join(f"{k} {v:g}" for k, v in results.get("crash_rule", {}).items()) + ". Gate: "
+             + (", ".join(f"{k} >= {v:g}" for k, v in gate.items()) or "none") + ".", "",
+             "| run | crashed (by, step) | first grad-norm spike | first entropy excursion | "
+             + " | ".join(gate) + (" | " if gate else "") + "gate |",
+             "|---" * (5 + len(gate)) + "|"]
+    dash = lambda x: "–" if x is None else (f"{x:.4g}" if isinstance(x, float) else str(x))
+    for name, v in results["variants"].items():
+        for r in v["runs"]:
+            c = r.get("crash") or {}
+            crashed = f"yes ({c['by']}, step {c['step']})" if c.get("crashed") else "no"
+            means = [dash((r.get("gate") or {}).get(k)) for k in gate]
+            lines.append(f"| {name} seed {r['seed']} | {crashed} | {dash(c.get('grad_spike_step'))} | "
+                         f"{dash(c.get('entropy_excursion_step'))} | " + " | ".join(means)
+                         + (" | " if gate else "") + ("reached" if r.get("gate_reached") else "short") + " |")
+    return lines + [""]
+
+
 def tuning_section(tuning: dict) -> list[str]:
     """The grid, each candidate's validation score and the choice, as report lines."""
     lines = ["## Hyper-parameters", ""]
@@ -290,6 +315,7 @@ def write_report(results: dict, run_dirs: dict[str, list[Path]], out: Path) -> P
               f"**Collapse**: after its best evaluation the run's held-out accuracy ends below "
               f"cold start + half of its best gain (gain = best − cold start, at least "
               f"{results['collapse_min_gain']}), i.e. it fell and did not recover by the end.", "",
+              *crash_section(results),
               "## The paper's claims at this scale", "",
               "A difference counts only when it exceeds the seed spread (|Δ mean| > std_a + std_b); "
               "with one seed every comparison is inconclusive.", ""]
