@@ -203,3 +203,62 @@ def test_gspo_sequence_ratio_is_over_policy_tokens_by_hand():
     _, stats = objectives.get("gspo")(logp, old, torch.tensor([1.0], dtype=torch.float64), mask,
                                       eps_low=10.0, eps_high=10.0)
     assert stats["ratio_mean"].item() == pytest.approx(math.exp(0.2))
+
+
+# ------------------------------------------------------------------- a real engine and model
+def test_trainer_logprobs_equal_the_samplers_on_policy_tokens_of_multiturn_batches():
+    """hf engine, tiny model, a tool loop: the trainer's forward over the holed
+    batch (attention on every real token, log-probs on policy tokens) gives the sampler's
+    log-probs on every policy token, float32, within the engine tests' tolerance."""
+    from gspo import tasks
+    from gspo.core.logprobs import response_logprobs
+    from gspo.models.presets import build_char_tokenizer, build_model
+    from gspo.rollout import engines
+    from gspo.rollout.generate import SamplingParams
+    from gspo.rollout.generate import demonstration_batch
+    from gspo.rollout.multiturn import collect_episodes
+    from gspo.training.cold_start import sft_loss
+    torch.manual_seed(0)
+    model, _ = build_model("tiny-dense", 0)
+    tok = build_char_tokenizer()
+    task = tasks.build("calculator", n_train=8, n_test=2, digits=2, call_fraction=1.0)
+    # 40 SFT steps on short answers, so that turns end with EOS and the loop goes on
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(40):
+        loss = sft_loss(model, demonstration_batch(tok, task.split("train"), "cpu"))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    engine = engines.build("hf", model, tok)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+    class Always:  # every turn is answered (observation text) until the turn budget: holes in each row
+        def __init__(self, ex):
+            self.n = 0
+
+        def step(self, turn):
+            self.n += 1
+            return Reply(Observation(text=f"={self.n}\n"), tool_calls=1)
+
+        def reward(self):
+            return None
+
+    batch, rows = collect_episodes(engine, tok, task.split("train")[:4], 2, SamplingParams(max_new_tokens=6),
+                                   Always, text_observer(enc),
+                                   Budgets(max_turns=3, max_new_tokens=6, max_total_tokens=40), seed=3)
+    policy = batch["response_mask"]
+    assert (policy == 0).any() and all(r.observation_tokens > 0 for r in rows)   # holes exist
+    assert torch.equal(batch["attention_mask"][:, -policy.shape[1]:].float() >= policy,
+                       torch.ones_like(policy, dtype=torch.bool))
+    with torch.no_grad():
+        out = response_logprobs(model, batch["input_ids"], batch["attention_mask"], policy,
+                                with_entropy=False)
+    on = policy > 0
+    assert (out.logp[on] - batch["rollout_logp"][on]).abs().max() < 5e-5
+    # the same forward with the observations hidden from attention disagrees: they do condition
+    blind = batch["attention_mask"].clone()
+    blind[:, -policy.shape[1]:] = policy.long()
+    with torch.no_grad():
+        wrong = response_logprobs(model, batch["input_ids"], blind, policy, with_entropy=False)
+    assert (wrong.logp[on] - batch["rollout_logp"][on]).abs().max() > 1e-2

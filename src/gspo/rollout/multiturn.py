@@ -27,7 +27,7 @@ are callables, so the loop is the same for any engine and any tokenizer (and tes
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -209,3 +209,64 @@ def episode_metrics(rows: Sequence[Row]) -> dict[str, float]:
            "multiturn/retokenization_drift": sum(r.drifted_turns for r in rows) / max(1, turns)}
     out.update({f"multiturn/end_{end}": sum(r.end == end for r in rows) / n for end in ENDS})
     return out
+
+
+# ------------------------------------------------------------------------- through an engine
+def turns_of(samples) -> list[tuple[list[int], list[float]]]:
+    """An engine's ``Samples`` as per-row (ids, log-probs): each row's tokens up to and including
+    its EOS (all of them when it has none)."""
+    out = []
+    for n in range(samples.response_ids.shape[0]):
+        k = int(samples.response_mask[n].sum())
+        logp = samples.logp[n, :k].tolist() if samples.logp is not None else [0.0] * k
+        out.append((samples.response_ids[n, :k].tolist(), logp))
+    return out
+
+
+def engine_sampler(engine, params, seed: int | None) -> Sampler:
+    """A later-turn sampler over ``engine``: every live row its own context, one sample each, as
+    many new tokens as the roomiest row may take (each row then cut to its own room). Turn k's
+    seed is ``seed + k·TURN_SEED_STRIDE`` (so turns do not repeat turn 1's random draws)."""
+    calls = [0]
+
+    def sample(contexts, room, rows):
+        calls[0] += 1
+        turn_seed = None if seed is None else seed + calls[0] * TURN_SEED_STRIDE
+        got = engine.generate(contexts, 1, replace(params, max_new_tokens=max(room)), seed=turn_seed,
+                              with_logprobs=True)
+        return [(ids[:r], logp[:r]) for (ids, logp), r in zip(turns_of(got), room)]
+
+    return sample
+
+
+TURN_SEED_STRIDE = 1_000_003  # a prime beyond any batch's prompt count
+
+
+def collect_episodes(engine, tokenizer, examples, group_size: int, params, make_env,
+                     observe: Callable[[Observation], list[int]], budgets: Budgets,
+                     seed: int | None = None):
+    """One multi-turn batch: turn 1 as a single-turn rollout samples it (G per prompt, prompts
+    shared), later turns through ``engine_sampler``; ``make_env(example)`` builds each row's
+    environment. Returns (the tensors of ``to_tensors`` plus ``completions`` (each row's final
+    turn) and ``examples``, the rows)."""
+    prompts = [tokenizer(ex.prompt)["input_ids"] for ex in examples]
+    first = turns_of(engine.generate(prompts, group_size, replace(
+        params, max_new_tokens=min(params.max_new_tokens, budgets.max_new_tokens, budgets.max_total_tokens)),
+        seed=seed, with_logprobs=True))
+    later = engine_sampler(engine, params, seed)
+    turn = [0]
+
+    def sample(contexts, room, rows):
+        turn[0] += 1
+        return [first[i] for i in rows] if turn[0] == 1 else later(contexts, room, rows)
+
+    rows_prompts = [p for p in prompts for _ in range(group_size)]
+    row_examples = [ex for ex in examples for _ in range(group_size)]
+    environments = [make_env(ex) for ex in row_examples]
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    rows = run_episodes(sample, rows_prompts, environments, observe, decode, tokenizer.eos_token_id,
+                        budgets, encode=encode)
+    batch = to_tensors(rows, tokenizer.pad_token_id)
+    batch.update(completions=[r.final_turn for r in rows], examples=row_examples)
+    return batch, rows
