@@ -6,5 +6,5 @@ initial policy and its SFT cold start (``cold_start``), what differs between GSP
 PPO and the SFT baseline (``algorithms``), data parallelism (``distributed``), the stability
 guard's actions (``stability``), optimizers, checkpoints and signals.
 
-It never imports tools or the CLI. Below it: ``gspo.rollout``, ``gspo.config`` and under.
+It never imports tools or the CLI. Below it: ``gspo.config``, ``gspo.rollout`` and under.
 """
