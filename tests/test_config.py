@@ -7,11 +7,13 @@ import pytest
 
 from gspo.config import (
     ConfigError,
+    Environment,
     TrainConfig,
     config_hash,
     dump_yaml,
     load_config,
     parse_override,
+    resolve,
     shipped_config,
 )
 
@@ -180,6 +182,23 @@ def test_custom_task_requires_files():
     cfg = load_config(None, ["task.name=custom", "task.train_file=a.jsonl",
                              "task.test_file=b.jsonl", "task.reward=m:f"])
     assert cfg.task.reward == "m:f"
+
+
+def test_resolve_is_pure_and_labels_what_it_derives():
+    """resolve returns a new config: the one given keeps its unset values; each value filled in
+    is labelled with why (vllm's default tis, then decoupled's seq_tis for sequence-level gspo)."""
+    cfg = TrainConfig.model_validate({"rollout": {"engine": "vllm", "async": True}})
+    before = cfg.model_dump()
+    out = resolve(cfg, Environment())
+    assert cfg.model_dump() == before and cfg.train.rollout_correction.mode is None
+    assert (out.config.rollout.async_ratio, out.config.train.rollout_correction.mode,
+            out.config.advantage.scale) == ("decoupled", "seq_tis", "group")
+    assert sorted(out.derived) == ["advantage.scale", "rollout.async_ratio",
+                                   "train.rollout_correction.mode"]
+    assert out.derived["train.rollout_correction.mode"].startswith("seq_tis (rollout.async_ratio")
+    assert resolve(out.config, Environment()).derived == {}           # resolved: nothing left
+    with pytest.raises(ValueError, match="cannot serve torchrun with 2 processes"):
+        resolve(cfg, Environment(world_size=2))
 
 
 # ------------------------------------------------------------------------------- files

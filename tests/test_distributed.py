@@ -34,6 +34,7 @@ from conftest import UPDATE_REL, linear_optimizer, update_mismatch
 from gspo.training import distributed
 from gspo.core import objectives
 from gspo.core.advantages import group_advantages
+from gspo.observe import reductions
 from gspo.training.distributed import Dist
 from gspo.rollout.collect import split_minibatches
 
@@ -111,16 +112,41 @@ def test_rank_minibatches_of_groups_are_the_single_process_minibatches(monkeypat
 
 
 def test_metric_reduction_rules():
-    c = distributed._combine
+    c = reductions.combine
     assert c("policy/loss", [(1.0, 5), (2.0, 0)]) == 3.0                  # parts of a global loss
     assert c("policy/clip_frac_tokens", [(0.5, 3), (0.0, 1)]) == 0.375     # weighted mean
     assert c("policy/ratio_max", [(1.2, 3), (1.0, 0)]) == 1.2              # placeholder left out
     assert c("policy/ratio_min", [(0.9, 3), (1.0, 0)]) == 0.9
     assert c("time/generate_s", [(1.0, 3), (2.0, 1)]) == 2.0
+    assert c("optim/grad_norm", [(0.7, 3), (0.7, 1)]) == 0.7               # the same everywhere
     # pooled std: the Bessel std of the union of both ranks' samples
     a, b = torch.tensor([0.0, 1.0, 1.0]), torch.tensor([3.0, 5.0])
     parts = [(x.std().item(), x.mean().item(), len(x)) for x in (a, b)]
-    assert distributed._pooled_std(parts) == pytest.approx(torch.cat([a, b]).std().item())
+    assert reductions.pooled_std(parts) == pytest.approx(torch.cat([a, b]).std().item())
+
+
+def test_each_metric_reduces_as_declared():
+    """Keys look up their declaration exactly, then by template; a length bucket's stats are
+    weighted by the bucket's rows, its frac by the rank's rows; an undeclared key is a mean."""
+    assert [reductions.reduction(k) for k in ("time/old_logprobs_s", "length/1-2/frac",
+                                              "length/1-2/reward", "reward/std", "moe/aux_loss")] \
+        == [reductions.MAX, reductions.MEAN, reductions.BUCKET_MEAN, reductions.POOLED_STD,
+            reductions.MEAN]
+    assert reductions.per_seq("policy/ratio_mean", True) and not reductions.per_seq(
+        "policy/ratio_mean", False) and reductions.per_seq("policy/clip_frac_seqs", False)
+    # rank 0: rewards [1, 1, 0], 2 of its 3 rows in bucket 1-2 (their reward 0.5 on average);
+    # rank 1: reward [1], its 1 row in bucket 1-2. Together: 3 of 4 rows in the bucket, whose
+    # reward is (2 * 0.5 + 1 * 1) / 3 = 2/3; the rewards [1, 1, 0, 1] have mean 0.75.
+    r0 = torch.tensor([1.0, 1.0, 0.0])
+    everyone = [({"length/1-2/frac": 2 / 3, "length/1-2/reward": 0.5, "reward/mean": 2 / 3,
+                  "reward/std": r0.std().item()}, 3.0),
+                ({"length/1-2/frac": 1.0, "length/1-2/reward": 1.0, "reward/mean": 1.0,
+                  "reward/std": 0.0}, 1.0)]
+    out = reductions.reduce_metrics(everyone, everyone[0][0])
+    assert out["length/1-2/frac"] == pytest.approx(0.75)
+    assert out["length/1-2/reward"] == pytest.approx(2 / 3)
+    assert out["reward/mean"] == pytest.approx(0.75)
+    assert out["reward/std"] == pytest.approx(torch.tensor([1.0, 1, 0, 1]).std().item())
 
 
 # ----------------------------------------------------------------------------- objectives

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from gspo.cli import main
-from gspo.config import DEFAULT_CORRECTION, ENGINES, ConfigError, load_config
+from gspo.config import ConfigError, Environment, load_config
 from gspo.rollout import engines
 
 VLLM = importlib.util.find_spec("vllm") is not None
@@ -26,8 +26,26 @@ def _fails(capsys, tmp_path, *argv: str) -> str:
     return out.err
 
 
-def test_config_names_are_the_registry():
-    assert sorted(ENGINES) == engines.available() == sorted(DEFAULT_CORRECTION)
+def test_config_names_are_the_registry(monkeypatch):
+    """rollout.engine is checked against the registry itself: a new engine is a valid name and
+    its default_correction is the one a config leaves unset resolves to."""
+    class Other(engines.HFEngine):
+        default_correction = "icepop"
+    registry = engines._REGISTRY.copy()                  # register into a copy
+    monkeypatch.setattr(engines, "_REGISTRY", registry)
+    monkeypatch.setattr(engines, "available", registry.names)
+    engines.register("other")(Other)
+    with pytest.raises(ConfigError, match="unknown engine 'nope'; valid: hf, other, vllm"):
+        load_config(None, ["rollout.engine=nope"])
+    assert load_config(None, ["rollout.engine=other"]).train.rollout_correction.mode == "icepop"
+
+
+def test_the_world_size_comes_from_the_environment_given():
+    """resolve reads no process state: the world is the Environment passed (load_config's
+    default reads WORLD_SIZE once)."""
+    with pytest.raises(ConfigError, match="cannot serve torchrun with 3 processes"):
+        load_config(None, ["rollout.engine=vllm"], environment=Environment(world_size=3))
+    assert load_config(None, ["rollout.engine=vllm"], environment=Environment()).rollout.engine == "vllm"
 
 
 @pytest.mark.parametrize("overrides, mode", [

@@ -33,7 +33,6 @@ except ImportError:  # transformers 4: the in-memory layout is the checkpoint's
     def revert_weight_conversion(model, state_dict):
         return state_dict
 
-from gspo.config import ENGINES
 from gspo.errors import UserError
 from gspo.models.presets import save_model
 from gspo.registry import Registry
@@ -63,6 +62,14 @@ class Engine(ABC):
     """One engine serves the trainer and a thread worker of rollout.async in turn (each side
     syncs it to its own policy before every generation, under the worker's lock): vllm, whose
     engine is built once per process. False: the worker builds its own (hf: on its policy copy)."""
+    own_kernels: bool = False
+    """Samples with its own kernels from its own copy of the weights (vllm): it returns no expert
+    routing, takes whole weights (no LoRA adapters), and one engine per process group is not
+    built; gspo.config.resolve refuses those configs."""
+    default_correction: str = "none"
+    """train.rollout_correction.mode when the config leaves it unset: none when the policy
+    samples itself; tis (cap 2) for vllm, whose kernels give other log-probs than the trainer's
+    (as TRL corrects by default)."""
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], group_size: int, params: SamplingParams,
@@ -101,6 +108,11 @@ def register(name: str, *, requires: str | None = None):
 
 available = _REGISTRY.names
 """Sorted names of the registered engines (installed or not)."""
+
+
+def spec(name: str) -> type[Engine]:
+    """The engine class registered as ``name`` (its capabilities are class attributes)."""
+    return _REGISTRY.get(name)
 
 
 def check(name: str, model_type: str | None = None) -> None:
@@ -241,6 +253,8 @@ class VLLMEngine(Engine):
     the MoE experts' stale reload on a CPU is repaired by ``sync_weights``."""
     always_logprobs = True
     shared = True
+    own_kernels = True
+    default_correction = "tis"
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  dtype: torch.dtype | None = None, seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -321,5 +335,3 @@ class VLLMEngine(Engine):
         return Samples(ids, mask, truncated, logp * mask if with_logprobs else None)
 
 
-if set(ENGINES) != set(_REGISTRY):   # checked at import: config validates rollout.engine by name
-    raise ImportError(f"gspo.config.ENGINES {sorted(ENGINES)} != the registered engines {available()}")

@@ -3,9 +3,9 @@
 `build("arithmetic", seed=0)` returns a `Task`: seeded `split("train" | "test")` lists of
 `Example(prompt, answer, data)` (disjoint by prompt) and a verifier (`reward`, `is_correct`).
 Prompts and answers are short plain ASCII, sized for tiny character-level models. Built in:
-`arithmetic`, `multistep`, `countdown`, `custom` (JSONL + a user reward function),
-`dataset` (local JSONL / JSON / parquet / CSV / arrow files through Hugging Face datasets), and the
-tool-use tasks `calculator`, `lookup`, `guess` (multi-turn: `gspo.envs`). A new task is
+`arithmetic`, `multistep`, `countdown`, `dataset` (local JSONL / JSON / parquet / CSV / arrow files
+through Hugging Face datasets), `custom` (its JSONL form, read line by line, with a user reward
+function), and the tool-use tasks `calculator`, `lookup`, `guess` (multi-turn: `gspo.envs`). A new task is
 a class with those methods under `@register("name")`. Reward composition lives in `gspo.rewards.sources`.
 
 The tasks layer never imports torch, models, rewards or anything above: tasks are plain Python
@@ -23,6 +23,6 @@ from gspo.tasks.base import (
 )
 
 # Built-in tasks register themselves on import.
-from gspo.tasks import arithmetic, countdown, custom, dataset, multistep, tooluse  # noqa: E402,F401  isort: skip
+from gspo.tasks import arithmetic, countdown, dataset, multistep, tooluse  # noqa: E402,F401  isort: skip
 
 __all__ = ["Example", "Task", "TaskDataError", "available", "build", "get", "register"]

@@ -1,14 +1,15 @@
-"""`custom`: a user task from JSONL files and a reward function, without writing a plugin.
+"""What the file tasks (`gspo.tasks.dataset`: `dataset`, and `custom`, its JSONL form) share: the
+user's reward function, and the line-by-line JSONL reader of `custom`.
 
-Each line of `train_file` / `test_file` is a JSON object with a string `prompt` (non-empty) and a
-string `answer` (the SFT demonstration); every other column goes to `Example.data`. The reward is
-`module:function`, imported from the working directory or PYTHONPATH, called as
-`fn(completion, **row)` with `row` = all columns, prompt and answer included; `is_correct` is
-`reward >= correct_threshold`. Bad data raises `TaskDataError` naming file and line, or with
-`on_error="skip"` is left out and listed in `skipped` ("file:line: reason"). Given `reward_fn`
-(e.g. the function in a limited worker process, `gspo.rewards.sandbox`, as `rewards.sandbox` asks)
-the function is called through it and never imported here. Timeouts and error policies are the
-reward layer's business (`gspo.rewards.isolation`).
+`load_function` imports a reward `module:function` from the working directory or PYTHONPATH;
+given `reward_fn` (e.g. the function in a limited worker process, `gspo.rewards.sandbox`, as
+`rewards.sandbox` asks) the function is called through it and never imported here. Timeouts and
+error policies are the reward layer's business (`gspo.rewards.isolation`).
+
+`read_jsonl_rows`: each line of a file is a JSON object with a string `prompt` (non-empty) and a
+string `answer` (the SFT demonstration); every other column goes to `Example.data`. Bad data
+raises `TaskDataError` naming file and line, or with `on_error="skip"` is left out and listed
+("file:line: reason"). This module registers no task.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ import importlib
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable
 
-from gspo.tasks.base import Example, TaskDataError, pick_split, register, to_reward
+from gspo.tasks.base import Example, TaskDataError
 
 RESERVED = ("completion",)  # the first argument of reward functions; cannot be a column
 
@@ -108,46 +108,3 @@ def _parse_row(file: str, line_no: int, line: str) -> Example:
             raise TaskDataError(file, line_no, f"column {key!r} is reserved")
     data = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
     return Example(prompt=row["prompt"], answer=row["answer"], data=data)
-
-
-@register("custom")
-class Custom:
-    """Examples from JSONL files, scored by a user `module:function`."""
-
-    name = "custom"
-
-    def __init__(self, train_file: str, test_file: str, reward: str, correct_threshold: float = 1.0,
-                 on_error: str = "fail", reward_fn=None, validation_file: str | None = None):
-        """
-        train_file, test_file: JSONL paths, one {"prompt": ..., "answer": ..., ...} object a line.
-        validation_file: optional JSONL path of the same format, for choosing hyper-parameters
-            (eval.split=validation); without it the validation split is empty.
-        reward: "module:function", called as fn(completion, **row) -> float.
-        correct_threshold: a completion counts as correct when its reward is >= this.
-        on_error: a bad row fails (TaskDataError) or is skipped (listed in `skipped`).
-        reward_fn: None (import `reward` and call it in-process) or a callable that stands for it
-            (e.g. gspo.rewards.sandbox.SandboxedFunction(reward, limits): a worker process).
-        """
-        self._splits, self.locations, self.skipped = {"validation": []}, {"validation": []}, []
-        files = {"train": train_file, "test": test_file, "validation": validation_file}
-        for split, file in ((k, v) for k, v in files.items() if v is not None):
-            examples, lines, skipped = read_jsonl_rows(file, on_error)
-            self._splits[split] = examples
-            self.locations[split] = [(str(file), n) for n in lines]
-            self.skipped += skipped
-        overlap = {e.prompt for e in self._splits["train"]} & {e.prompt for e in self._splits["test"]}
-        if overlap:
-            warnings.warn(f"custom task: {len(overlap)} prompt(s) appear in both {train_file} and {test_file}")
-        self.reward_spec = reward
-        self._fn = reward_function(reward, reward_fn)
-        self.correct_threshold = correct_threshold
-
-    def split(self, name: str) -> list[Example]:
-        return pick_split(self.name, self._splits, name)
-
-    def reward(self, completion: str, example: Example) -> float:
-        value = self._fn(completion, prompt=example.prompt, answer=example.answer, **example.data)
-        return to_reward(value, self.reward_spec)
-
-    def is_correct(self, completion: str, example: Example) -> bool:
-        return self.reward(completion, example) >= self.correct_threshold

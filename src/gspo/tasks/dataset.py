@@ -1,4 +1,5 @@
-"""`dataset`: a task from local data files read with Hugging Face `datasets`.
+"""`dataset`: a task from local data files read with Hugging Face `datasets`; `custom`, its JSONL
+form with a required reward function (the same task, its keys and behaviour kept).
 
 `train_file` / `test_file` / `validation_file` are .jsonl, .json, .parquet, .csv or .arrow files
 (read with `datasets.Dataset.from_json` / `from_parquet` / `from_csv` / `from_file`; local files
@@ -17,19 +18,24 @@ functions get them as keywords). A missing column is an error of the whole file;
 naming `file:row` (the 1-based row; a JSONL file's line when it has no blank lines), or with
 `on_error="skip"` is left out and listed in `skipped`, the same policy as `custom`.
 
-The verifier is `reward` (`module:function`, as for `custom`) when given, else math: 1.0 when the
-completion's final answer equals the answer by value (`gspo.tasks.verifiers.math_equal`).
+The verifier is `reward` (`module:function`) when given, else math: 1.0 when the completion's
+final answer equals the answer by value (`gspo.tasks.verifiers.math_equal`).
+
+`custom` (``Custom``) is this task over JSONL files read line by line (`gspo.tasks.custom`:
+errors name `file:line`, a bad line can be skipped, `prompt` and `answer` must be strings, no
+`datasets` needed) and scored by a reward `module:function` it requires; `is_correct` is
+`reward >= correct_threshold` for both.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gspo.optional import require
 from gspo.tasks.base import Example, TaskDataError, message_problem, pick_split, register, to_reward
-from gspo.tasks.custom import RESERVED, reward_function
+from gspo.tasks.custom import RESERVED, read_jsonl_rows, reward_function
 from gspo.tasks.verifiers import math_equal, math_verify
 
 FIELDS = ("prompt", "messages", "answer")
@@ -164,21 +170,29 @@ class FileDataset:
         reward_fn: None (import `reward` in-process) or a callable standing for it (the sandbox).
         """
         columns = dict(columns or {})
-        self._splits, self.locations, self.skipped = {"validation": []}, {"validation": []}, []
-        files = {"train": train_file, "test": test_file, "validation": validation_file}
-        for split, file in ((k, v) for k, v in files.items() if v is not None):
-            examples, rows, skipped = read_rows(str(file), columns, chat, on_error)
-            self._splits[split] = examples
-            self.locations[split] = [(str(file), n) for n in rows]
-            self.skipped += skipped
-        overlap = {e.prompt for e in self._splits["train"]} & {e.prompt for e in self._splits["test"]}
-        if overlap:
-            warnings.warn(f"dataset task: {len(overlap)} prompt(s) appear in both {train_file} and {test_file}")
+        self.read(lambda file: read_rows(file, columns, chat, on_error),
+                  train_file, test_file, validation_file)
         if reward is None:
             math_verify()  # installed, or a one-line error now
         self.reward_spec = reward or "math (final answer equal by value)"
         self._fn = reward_function(reward, reward_fn) if reward else None
         self.correct_threshold = correct_threshold
+
+    def read(self, rows: Callable, train_file: str, test_file: str,
+             validation_file: str | None) -> None:
+        """Each split's examples, where they came from, and what was skipped; ``rows(file)``
+        -> (examples, row or line numbers, skipped)."""
+        self._splits, self.locations, self.skipped = {"validation": []}, {"validation": []}, []
+        files = {"train": train_file, "test": test_file, "validation": validation_file}
+        for split, file in ((k, v) for k, v in files.items() if v is not None):
+            examples, rows_read, skipped = rows(str(file))
+            self._splits[split] = examples
+            self.locations[split] = [(str(file), n) for n in rows_read]
+            self.skipped += skipped
+        overlap = {e.prompt for e in self._splits["train"]} & {e.prompt for e in self._splits["test"]}
+        if overlap:
+            warnings.warn(f"{self.name} task: {len(overlap)} prompt(s) appear in both {train_file} "
+                          f"and {test_file}")
 
     def split(self, name: str) -> list[Example]:
         return pick_split(self.name, self._splits, name)
@@ -191,3 +205,28 @@ class FileDataset:
 
     def is_correct(self, completion: str, example: Example) -> bool:
         return self.reward(completion, example) >= self.correct_threshold
+
+
+@register("custom")
+class Custom(FileDataset):
+    """The dataset task over JSONL files read line by line, scored by a user `module:function`."""
+
+    name = "custom"
+
+    def __init__(self, train_file: str, test_file: str, reward: str, correct_threshold: float = 1.0,
+                 on_error: str = "fail", reward_fn=None, validation_file: str | None = None):
+        """
+        train_file, test_file: JSONL paths, one {"prompt": ..., "answer": ..., ...} object a line.
+        validation_file: optional JSONL path of the same format, for choosing hyper-parameters
+            (eval.split=validation); without it the validation split is empty.
+        reward: "module:function", called as fn(completion, **row) -> float.
+        correct_threshold: a completion counts as correct when its reward is >= this.
+        on_error: a bad row fails (TaskDataError) or is skipped (listed in `skipped`).
+        reward_fn: None (import `reward` and call it in-process) or a callable that stands for it
+            (e.g. gspo.rewards.sandbox.SandboxedFunction(reward, limits): a worker process).
+        """
+        self.read(lambda file: read_jsonl_rows(file, on_error), train_file, test_file,
+                  validation_file)
+        self.reward_spec = reward
+        self._fn = reward_function(reward, reward_fn)
+        self.correct_threshold = correct_threshold

@@ -32,8 +32,8 @@ from typing import Callable
 import yaml
 from pydantic import Field, ValidationError
 
-from gspo.config import (ConfigError, Section, TrainConfig, format_validation_error, load_config,
-                         read_yaml)
+from gspo.config import (ConfigError, Section, TrainConfig, dump_yaml, format_validation_error,
+                         load_config, read_yaml)
 from gspo.errors import UserError
 from gspo.observe.metrics import read_metrics
 from gspo.tools.compare_report import write_report
@@ -284,7 +284,7 @@ def _run_parallel(kind: str, batch: dict[str, TrainConfig], jobs: int, threads: 
             label, cfg = queue.pop(0)
             name = label.replace(" ", "_").replace("/", "-")
             config_file, log_file = logs / f"{name}.yaml", logs / f"{name}.log"
-            config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            dump_yaml(cfg, config_file)
             with log_file.open("w") as fh:
                 proc = subprocess.Popen(_command(kind, config_file), stdout=fh, stderr=subprocess.STDOUT,
                                         env=env)

@@ -1,10 +1,11 @@
 """The run folder: one writer at a time, and what a write that failed tells the user.
 
-* ``RunLock``: ``fcntl.flock`` on ``RUN/.gspo.lock``, taken by the process that writes the run
-  (``gspo train``, with ``--resume`` or ``run.overwrite=true`` too) before it changes anything, and
-  held for the run's life. The kernel releases it when the process ends, however it ends (SIGKILL
-  included), so nothing is left to clean up: the file stays, and holds the PID, host and command of
-  its last holder, which a refused writer names. Under torchrun only rank 0 writes the folder, so
+* ``RunLock``: a ``filelock.FileLock`` (``flock`` on POSIX) on ``RUN/.gspo.lock``, taken by the
+  process that writes the run (``gspo train``, with ``--resume`` or ``run.overwrite=true`` too)
+  before it changes anything, and held for the run's life. The kernel releases it when the process
+  ends, however it ends (SIGKILL included), so nothing is left to clean up. The holder's PID, host
+  and command go to ``RUN/.gspo.lock.holder`` (written atomically once the lock is ours), which a
+  refused writer names. Under torchrun only rank 0 writes the folder, so
   rank 0 alone takes it (the trainer claims the folder on rank 0). Readers (``gspo report``,
   ``audit``, ``eval``) never take it: they read a live run.
 * ``write_faults(run_dir)``: around training; a ``WriteFailed`` (gspo.storage), or a storage error
@@ -14,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -25,54 +25,51 @@ from pathlib import Path
 from typing import Iterator
 
 from gspo.errors import UserError, WriteFailed
-from gspo.storage import STORAGE_ERRNOS, reason
+from filelock import FileLock, Timeout
+
+from gspo.storage import STORAGE_ERRNOS, reason, write_atomic
 from gspo.training.checkpoint import PREFIX, list_checkpoints, remove_partial
 
 LOCK_FILE = ".gspo.lock"
+HOLDER_FILE = ".gspo.lock.holder"
 
 
 class RunLock:
-    """An exclusive lock on a run folder, held while this object's file is open."""
+    """An exclusive lock on a run folder, held until ``release`` or the process's end."""
 
-    def __init__(self, path: Path, fh):
-        self.path, self._fh = path, fh
+    def __init__(self, path: Path, lock: FileLock | None):
+        self.path, self._lock = path, lock
 
     @classmethod
     def acquire(cls, run_dir: str | Path, log=None) -> "RunLock":
         """Take the lock of ``run_dir`` (which exists) or raise UserError naming its holder."""
         path = Path(run_dir) / LOCK_FILE
-        fh = open(path, "a+")             # never truncated before it is ours: it names the holder
+        lock = FileLock(path, thread_local=False)
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = describe_holder(fh.read())
-            fh.close()
+            lock.acquire(timeout=0)
+        except Timeout:
+            holder = describe_holder(read_holder(Path(run_dir)))
             raise UserError(f"run.dir {run_dir} is in use by {holder}: one process writes a run "
                             f"at a time; wait for it to end or stop it (a stopped or killed run "
                             f"releases it), or choose another run.dir") from None
         except OSError as err:            # a file system without flock (some network mounts)
-            fh.close()
             if log is not None:
                 log(f"run.dir {run_dir}: cannot lock {path} ({err.strerror}); nothing stops a "
                     f"second process from writing this run")
             return cls(path, None)
         with contextlib.suppress(OSError):  # a full disk: the lock holds without its label
-            fh.seek(0)
-            fh.truncate()
-            fh.write(json.dumps(holder_info()))
-            fh.flush()
-        return cls(path, fh)
+            write_atomic(Path(run_dir) / HOLDER_FILE, json.dumps(holder_info()))
+        return cls(path, lock)
 
     @property
     def held(self) -> bool:
-        return self._fh is not None
+        return self._lock is not None
 
     def release(self) -> None:
-        """Closing the file releases the lock (as the process's end would)."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        """Release the lock (as the process's end would)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def claim(run_dir: Path, *, resume: bool, overwrite: bool, log, lock: RunLock | None = None
@@ -99,6 +96,14 @@ def claim(run_dir: Path, *, resume: bool, overwrite: bool, log, lock: RunLock | 
         for p in previous:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     return lock
+
+
+def read_holder(run_dir: Path) -> str:
+    """The holder file's text ('' when there is none yet)."""
+    try:
+        return (run_dir / HOLDER_FILE).read_text()
+    except OSError:
+        return ""
 
 
 def holder_info() -> dict:

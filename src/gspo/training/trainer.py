@@ -32,7 +32,7 @@ from gspo.rewards.isolation import isolated_rewards
 from gspo.rollout.collect import Collector, DataCursor
 from gspo.rollout.data import build_task, eval_examples
 from gspo.rollout.evaluation import EvalResult, evaluate
-from gspo.training import algorithms, distributed, lora, provenance
+from gspo.training import algorithms, dist_checkpoint, distributed, lora, provenance
 from gspo.storage import write_atomic, writing
 from gspo.training.checkpoint import load_latest
 from gspo.training.async_rollout import build_source
@@ -144,7 +144,7 @@ class Trainer:
             weights = self.model.state_dict()
         else:
             weights = load_model(loaded.path, DTYPES[self.cfg.model.dtype])[0].state_dict()
-        self.dist.load_state(self.model, self.optimizer, weights, loaded.optimizer)
+        dist_checkpoint.load_state(self.dist, self.model, self.optimizer, weights, loaded.optimizer)
         self.scheduler.load_state_dict(loaded.scheduler)
         state = loaded.state
         self.cursor.load(state["cursor"])
@@ -158,11 +158,11 @@ class Trainer:
         state = {"cursor": self.cursor.state(), "history": self.history, "wall_s": wall,
                  "objective": self.cfg.objective.name, "init": self.init_info,
                  "guard": self.guard.state_dict(), "algorithm": self.algorithm.state_dict()}
-        return self.dist.save_checkpoint(self.run_dir, step, self.model, self.tokenizer,  # rank 0
-                                         self.optimizer, self.scheduler, state,
-                                         keep=self.cfg.run.keep_checkpoints,
-                                         extra=lambda folder: (self.algorithm.save(folder),  # ppo: critic
-                                                               self.rollouts.save(folder, step)))
+        return dist_checkpoint.save_checkpoint(                                      # rank 0
+            self.dist, self.run_dir, step, self.model, self.tokenizer, self.optimizer,
+            self.scheduler, state, keep=self.cfg.run.keep_checkpoints,
+            extra=lambda folder: (self.algorithm.save(folder),               # ppo: critic
+                                  self.rollouts.save(folder, step)))
 
     def save_now(self, step: int) -> Path:
         """Checkpoint of ``step`` done steps, with the wall time so far (the guard's RunControl)."""

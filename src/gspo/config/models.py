@@ -1,0 +1,60 @@
+"""Sections for the policy model (``gspo.models``, built by ``gspo.training``): model, its LoRA
+adapters, and the MoE switches."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from gspo.config.base import Section, one_of
+from gspo.models.presets import available_presets
+
+
+class LoRAConfig(Section):
+    r: int = Field(16, ge=1)
+    """Rank of each adapter (A: r x in, B: out x r)."""
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the adapter adds (alpha / r) * B A x to the frozen layer's output."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Layers that get an adapter: all-linear (every linear layer but the output head) or a list of module names, a module matching a name when its dotted path equals it or ends with '.name' (e.g. [q_proj, v_proj]). A name that matches no module is an error."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, targets: list[str] | str) -> list[str] | str:
+        if isinstance(targets, list) and not targets:
+            raise ValueError("needs at least one module name (or all-linear)")
+        return targets
+
+
+class ModelConfig(Section):
+    preset: str = "tiny-dense"
+    """Built-in architecture to initialise from scratch: tiny-dense | tiny-moe."""
+    path: str | None = None
+    """A local transformers causal-LM checkpoint to start from instead of a preset."""
+    overrides: dict[str, Any] = {}
+    """Fields set on the preset's transformers config (e.g. {num_hidden_layers: 2})."""
+    tokenizer: Literal["char", "bpe"] = "char"
+    """Tokenizer of a preset (model.path brings its own): char (one token per ASCII character, no chat template) | bpe (byte-level BPE trained on the task's training text, Qwen-style: <|im_start|>/<|im_end|> ChatML template, <|im_end|> the EOS; docs/real-models.md)."""
+    tokenizer_vocab: int = Field(4096, ge=300)
+    """bpe: the most tokens it may have (256 bytes + special tokens + merges); a small corpus stops earlier."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype (bfloat16 / float16: the weights and the optimizer state are kept in it, unless train.master_weights=float32; LoRA adapters stay float32). Logits are upcast to float32 before the log-softmax, and log-probs, ratios and the loss are always float32."""
+    device: str = "auto"
+    """cpu | cuda | cuda:N | auto (cuda when available)."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters through peft for RL (None: off, the whole model trains), e.g. {r: 16, alpha: 32, target_modules: all-linear}: only adapter weights train, checkpoints hold the adapter (adapter_config.json + adapter_model.safetensors), evaluation merges it, the KL reference is the base with the adapter disabled. The SFT cold start, when on, trains the whole model first (docs/real-models.md)."""
+
+    @field_validator("preset")
+    @classmethod
+    def _preset(cls, name: str) -> str:
+        return one_of("model preset", name, available_presets())
+
+
+class MoEConfig(Section):
+    routing_replay: Literal["none", "old", "rollout"] = "none"
+    """Force π_old's experts when computing π_θ: none | old (captured in the old-log-prob pass, paper's R2) | rollout (captured at generation, R3)."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router load-balancing loss (0: off)."""

@@ -1,0 +1,59 @@
+"""Sections for sampling (``gspo.rollout``): the rollout of each RL step, and evaluation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, field_validator
+
+from gspo.config.base import Section, one_of
+from gspo.rollout import engines
+
+
+class RolloutConfig(Section):
+    prompts_per_step: int = Field(16, ge=1)
+    """P: prompts sampled per RL step."""
+    group_size: int = Field(8, ge=2)
+    """G: responses per prompt (the group of the group-relative advantage)."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Longest response; a response without EOS by then is truncated."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; log-probs are taken at the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (1.0: off). Log-probs ignore it, as in the paper."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
+    dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
+    """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
+    engine: str = "hf"
+    """Generation engine (gspo.rollout.engines, docs/engines.md): hf (transformers generate on the policy, or on its rollout.dtype copy) | vllm (a vLLM engine in this process built once from the policy after the cold start, weights synced in place before every step's generation; optional package; one process, no LoRA, no moe.routing_replay=rollout; under rollout.async a thread worker samples through the same engine, a process worker builds its own). With vllm the sampler's log-probs are always returned (mismatch/* every step) and train.rollout_correction defaults to tis."""
+    engine_sleep: bool = True
+    """Free the engine's memory for the training update: after a step's generation the engine sleeps (vllm on CUDA: vLLM's sleep mode, level 1: its weights offloaded to host memory, its KV cache dropped), and it wakes before the next generation, before the weight sync. On by default; a no-op where the engine holds nothing to free (hf) or has no sleep mode (vllm on a CPU). false: the engine keeps its memory (vllm is then built without sleep mode)."""
+    async_: bool = Field(False, alias="async")
+    """rollout.async: generate, score and take π_old of the next batches in a worker (rollout.async_worker) with its own copy of the policy while the trainer trains on this one (gspo.async_rollout, docs/performance.md). The batch of step k is sampled by the weights after step k - max_staleness, always (so runs are reproducible and resume exactly); run.threads torch threads per side on CPU."""
+    async_worker: Literal["process", "thread"] = "process"
+    """With rollout.async, where the worker runs: process (a child process of its own, started once from a fork server: no interpreter lock or RNG shared with the trainer; weights go to it after every step as safetensors bytes, batches come back pickled, over its own pipes; a script that trains must start under `if __name__ == "__main__":`) | thread (a thread of this process: no start-up, but both sides contend for the interpreter lock; docs/performance.md). With rollout.engine=vllm a thread worker samples through the trainer's engine, a process worker builds its own (docs/engines.md)."""
+    max_staleness: int = Field(1, ge=0)
+    """With rollout.async: s, how many RL steps the sampling policy of a batch may lag the policy trained on it (its ratio is taken against that behaviour policy, docs/math.md). 0 runs in lockstep and reproduces the synchronous run exactly."""
+    async_ratio: Literal["auto", "behaviour", "decoupled"] = "auto"
+    """With rollout.async, what a stale batch's ratio is taken against (docs/math.md, Asynchronous rollouts): behaviour (π_old = the policy v that sampled it; the clip acts on π_θ/π_v) | decoupled (π_old = the trainer's weights before this step, the proximal policy: the first minibatch's own forward, the others' from the worker beside it; the clip acts on π_θ/π_prox and train.rollout_correction, which it needs, weighs each token or response by π_prox/π_v: seq_tis for sequence-level objectives such as gspo) | auto (the default: decoupled when max_staleness > 0 and train.old_logprobs=recompute, with rollout_correction.mode seq_tis for a sequence-level objective or tis for a token-level one unless a mode is set; else behaviour; docs/performance.md compares the two)."""
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, name: str) -> str:
+        return one_of("engine", name, engines.available())
+
+
+class EvalConfig(Section):
+    split: Literal["test", "validation"] = "test"
+    """Held-out split the evaluations score: test (what results report) | validation (for choosing hyper-parameters without looking at test, e.g. the `gspo compare` grid)."""
+    n: int | None = Field(None, ge=1)
+    """Held-out prompts to evaluate (None: the whole split)."""
+    k: int = Field(4, ge=1)
+    """Samples per prompt for mean pass@1 and pass@k."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature for pass@k (greedy accuracy uses argmax)."""
+    batch_size: int = Field(256, ge=1)
+    """Prompts per generation batch."""

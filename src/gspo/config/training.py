@@ -1,0 +1,78 @@
+"""Sections for the update (``gspo.training``): the SFT cold start, the RL loop's optimizer and
+minibatches, and data parallelism."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gspo.config.base import Section
+from gspo.config.objectives import RolloutCorrectionConfig
+
+
+class SFTConfig(Section):
+    enabled: bool = True
+    """Cold-start the policy with supervised fine-tuning before RL (cached by its config)."""
+    steps: int = Field(300, ge=0)
+    """Optimizer steps of SFT; few on purpose, to stop at partial competence."""
+    batch_size: int = Field(64, ge=1)
+    """Demonstrations per SFT step."""
+    lr: float = Field(3e-3, gt=0)
+    """Peak learning rate (AdamW, linear warm-up, cosine decay)."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up steps."""
+    n_examples: int | None = Field(None, ge=1)
+    """Use only the first n training demonstrations (None: all)."""
+    cache_dir: str = "runs/.sft-cache"
+    """Where cold-start checkpoints are cached, one folder per hash of the config and the torch and transformers versions."""
+
+
+class TrainLoopConfig(Section):
+    steps: int = Field(100, ge=0)
+    """RL steps (one rollout batch each)."""
+    minibatches: int = Field(4, ge=1)
+    """M: optimizer steps per rollout batch (the paper uses 4)."""
+    minibatch_by: Literal["groups", "rows"] = "groups"
+    """How the batch is dealt into the M minibatches: groups (whole groups of G responses to one prompt, shuffled; each prompt's columns then run once per step in the forward/backward, not once per minibatch; needs rollout.prompts_per_step >= M, and minibatches differ by a group when M does not divide it) | rows (every response on its own, shuffled: each minibatch sees most prompts). Measured in docs/performance.md (speed) and docs/math.md (learning)."""
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up, in optimizer steps."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """π_old log-probs: recomputed by the trainer (first minibatch exactly on-policy) or the generator's (paper §5.4)."""
+    beta: float = Field(0.0, ge=0)
+    """Weight of the k3 KL to the reference (initial) policy; 0 as the GSPO paper."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight (subtracted from the loss)."""
+    mask_truncated: bool = False
+    """Drop responses that hit max_new_tokens without EOS from the loss."""
+    dynamic_sampling: bool = False
+    """Drop zero-variance groups and refill the batch with fresh prompts (DAPO)."""
+    max_refill_rounds: int = Field(3, ge=0)
+    """dynamic_sampling: extra generation rounds at most per step."""
+    logprob_chunk: int = Field(1024, ge=1)
+    """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (transformers activation checkpointing, non-reentrant) during the RL update: less memory, about one extra forward of time; the update's forwards then do not share prompts (docs/real-models.md)."""
+    master_weights: Literal["model", "float32"] = "model"
+    """What AdamW steps: model (the parameters in model.dtype; bfloat16 rounds away updates below half a bfloat16 step of the weight) | float32 (a float32 master copy of every lower-precision parameter and float32 moments; forward, backward and gradients stay in model.dtype, each step writes the rounded masters back; float32 parameters are their own masters). The RL update only, not the cold-start SFT; not with dist.strategy=fsdp (docs/real-models.md)."""
+    log_rollout_logprobs: bool = False
+    """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Rollout-mismatch correction (off by default): see its mode."""
+    skip_zero_advantage: bool = True
+    """Skip the old-log-prob and training forward/backward of responses with Â = 0 (zero-variance groups) or an empty loss mask: every objective's loss is 0 there, so the update is the same. They enter the loss with ratio 1; entropy and MoE metrics cover the rows trained on. Off by itself with beta > 0, entropy_coef > 0, moe.aux_loss_coef > 0 or an audited step."""
+
+
+class DistConfig(Section):
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism under torchrun (ignored in one process): ddp (every rank holds the whole model; gradients summed by all-reduce after backward) | fsdp (FSDP2 fully_shard per decoder layer: weights, gradients and optimizer state sharded). docs/distributed.md."""
+    timeout_s: float = Field(1800.0, gt=0)
+    """How long a rank waits in a collective (rank 0 evaluates and writes checkpoints while the others wait)."""
