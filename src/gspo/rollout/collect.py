@@ -2,7 +2,7 @@
 
 ``Collector.collect(step)`` takes the next P training prompts (``DataCursor``), samples G
 responses per prompt with the policy (``generate``; under ``moe.routing_replay=rollout`` the
-experts used are kept in ``batch.extras["routing"]``), scores them with the run's rewards and
+experts used are kept in ``batch.routing``), scores them with the run's rewards and
 returns the batch, its rewards [N] and the step's reward / response metrics. With
 ``train.dynamic_sampling`` groups whose rewards are all equal are dropped and fresh prompts drawn
 until the batch is full again (at most ``train.max_refill_rounds`` more rounds).
@@ -90,27 +90,6 @@ def minibatch_seed(run_seed: int, step: int) -> int:
     return run_seed * 7 + step
 
 
-def mark_dropped(batch: RolloutBatch, rewards: torch.Tensor) -> None:
-    """Samples whose reward failed under rewards.on_error=drop (NaN) -> batch.extras["dropped"] [N]."""
-    dropped = ~torch.isfinite(rewards)                                     # [N]
-    if bool(dropped.any()):
-        batch.extras["dropped"] = dropped
-
-
-def loss_mask(batch: RolloutBatch, mask_truncated: bool) -> torch.Tensor:
-    """[N, T] the response tokens that enter the loss: not of a truncated response when
-    ``mask_truncated``, nor of a dropped sample, nor masked by the rollout correction (the
-    response mask itself stays as generated)."""
-    mask = batch.response_mask
-    if mask_truncated:
-        mask = mask * (~batch.truncated).float().unsqueeze(-1)              # [N, T]
-    if "dropped" in batch.extras:
-        mask = mask * (~batch.extras["dropped"]).float().unsqueeze(-1)      # [N, T]
-    if "correction_mask" in batch.extras:  # train.rollout_correction: masked tokens leave it
-        mask = mask * batch.extras["correction_mask"]                       # [N, T]
-    return mask
-
-
 class Shards(Protocol):
     """What collection asks of the ranks (gspo.training.distributed.Dist; one process: trivial)."""
 
@@ -131,7 +110,7 @@ def generate_group(model, tokenizer, examples, sampling: SamplingParams, *, grou
                          with_logprobs=with_logprobs, seed=seed,
                          share_prompts=not capture_routing)  # a capture needs all N rows per forward
     if capture_routing:
-        batch.extras["routing"] = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
+        batch.routing = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
     return batch
 
 
@@ -306,5 +285,5 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int, limit: int) -> Roll
         examples=sum((b.examples for b in batches), [])[:limit],
         rollout_logp=None if batches[0].rollout_logp is None
         else stack(lambda b: b.rollout_logp, 0.0, response_only=True),
-        extras={key: stack(lambda b, k=key: b.extras[k], 0) for key in batches[0].extras},
+        routing=None if batches[0].routing is None else stack(lambda b: b.routing, 0),
     )

@@ -39,8 +39,9 @@ from gspo.config import BASELINES, objective_names
 from gspo.core import advantages, objectives
 from gspo.core.advantages import GAE_FORMULA, best_worst_pairs, formula, gae, whiten
 from gspo.core.objectives import dpo_loss, sequence_logprobs
+from gspo.core.trajectory import scored_mask
 from gspo.core.value import Critic, explained_variance, value_loss
-from gspo.rollout.collect import DataCursor, loss_mask, minibatch_seed, split_minibatches
+from gspo.rollout.collect import DataCursor, minibatch_seed, split_minibatches
 from gspo.rollout.generate import RolloutBatch, demonstration_batch
 from gspo.training.cold_start import sft_loss
 from gspo.training.optim import build_optimizer, build_scheduler, clipped_step
@@ -88,7 +89,7 @@ class Algorithm(Protocol):
         """Once the policy, optimizer and scheduler exist (before a resume restores them)."""
 
     def advantages(self, batch: RolloutBatch, rewards: Tensor) -> Tensor:
-        """Advantages [N] or [N, T] of a scored rollout batch (may mark dropped rows in extras);
+        """Advantages [N] or [N, T] of a scored rollout batch (its ``dropped`` rows marked);
         only called when ``objective`` is not None."""
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
@@ -201,7 +202,7 @@ class PPO:
         """GAE over the loss mask, the reward on each response's last token, whitened: [N, T]."""
         passes, p = self.passes, self.p
         dropped = ~torch.isfinite(rewards)                      # [N] rewards.on_error=drop
-        mask = loss_mask(batch, self.cfg.train.mask_truncated)                        # [N, T]
+        mask = scored_mask(batch, self.cfg.train.mask_truncated)                      # [N, T]
         r = torch.where(dropped, torch.zeros_like(rewards), rewards)                  # [N]
         rewards_tok = terminal_rewards(r, mask)                                       # [N, T]
         stats = {}
@@ -366,7 +367,7 @@ class OnlineDPO(Stateless):
 
     def pairs(self, batch: RolloutBatch, rewards: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(winners [K], losers [K]) row indices on the host, and the loss mask [N, T]."""
-        mask = loss_mask(batch, self.cfg.train.mask_truncated)                        # [N, T]
+        mask = scored_mask(batch, self.cfg.train.mask_truncated)                      # [N, T]
         usable = (mask > 0).any(-1) & torch.isfinite(rewards)                         # [N]
         scored = torch.where(usable, rewards.float(), torch.full_like(rewards.float(), float("nan")))
         win, lose = best_worst_pairs(scored.cpu(), self.cfg.rollout.group_size)
