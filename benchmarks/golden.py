@@ -24,6 +24,9 @@ Usage (a reference from another commit, then this checkout against it)::
 
 ``--set KEY=VALUE`` (repeatable) adds an override to every run of this side: a deliberate change
 of a default is compared with its old value set (``--set train.minibatch_by=rows``).
+``--added KEY`` (repeatable, with ``--compare``): a metric this side logs and the reference does
+not (a new counter): reported, and left out of the comparison in the rows the reference lacks it;
+every other key and value must still match.
 
 CPU only, one thread: a few minutes for the four runs. Each run's interpreter starts with torch's
 global RNG seeded (a ``sitecustomize`` on PYTHONPATH): torch seeds it at random per process, and
@@ -126,8 +129,12 @@ def same(a, b) -> bool:
     return a == b
 
 
-def compare_metrics(ref: list[dict], new: list[dict]) -> str | None:
-    """None when identical, else where the first difference is."""
+def compare_metrics(ref: list[dict], new: list[dict], added: tuple[str, ...] = ()
+                    ) -> str | None:
+    """None when identical (``added``: keys the new side logs and the reference lacks, left out
+    once they are absent from the reference), else where the first difference is."""
+    new = [{k: v for k, v in n.items() if k not in added or k in r} for r, n in zip(ref, new)] \
+        + new[len(ref):]
     if len(ref) != len(new):
         return f"{len(new)} metric rows, reference {len(ref)}"
     for i, (r, n) in enumerate(zip(ref, new)):
@@ -160,6 +167,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for every run, e.g. a new key that keeps an older "
                              "behaviour (train.minibatch_by=rows against a reference from before it)")
+    parser.add_argument("--added", action="append", default=[], metavar="KEY",
+                        help="a metric this side adds (a new counter), left out of the comparison")
     parser.add_argument("--vllm-python", help="interpreter with vLLM for the vllm runs (default: "
                                                   "a .venv-vllm beside this checkout's or "
                                                   "PYTHONPATH's src)")
@@ -188,10 +197,13 @@ def main() -> int:
             continue
         ref_rows = json.loads((store / name / "metrics.json").read_text())
         ref_tensors = torch.load(store / name / "weights.pt", weights_only=True)
-        problems = [p for p in (compare_metrics(ref_rows, rows), compare_weights(ref_tensors, tensors))
-                    if p]
+        added = tuple(args.added)
+        problems = [p for p in (compare_metrics(ref_rows, rows, added),
+                                compare_weights(ref_tensors, tensors)) if p]
         failed += bool(problems)
-        print(f"{name}: " + ("identical (metrics and weights)" if not problems
+        logged = sorted({k for row in rows for k in row if k in added})
+        note = f" (+ added metrics {', '.join(logged)})" if logged and not problems else ""
+        print(f"{name}: " + ("identical (metrics and weights)" + note if not problems
                              else "DIFFERS: " + "; ".join(problems)))
     return 1 if failed else 0
 

@@ -164,6 +164,7 @@ def test_online_dpo_trains_against_the_cold_start(make_cfg, reward_module):
     assert first["dpo/margin"] == pytest.approx(0.0, abs=1e-4)
     assert first["dpo/loss"] == pytest.approx(0.6931472, abs=1e-4)
     assert second["dpo/margin"] != pytest.approx(0.0, abs=1e-6)        # the policy left the reference
+    assert first["optim/skipped_nonfinite"] == 0                       # the RL step's counter
     cold, _, _ = initial_policy(cfg, build_task(cfg), log=lambda m: None, progress=False)
     assert _moved(cold, trainer.model)
     assert not _moved(cold, trainer.algorithm.ref)                     # the reference stays the cold start

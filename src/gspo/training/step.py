@@ -34,17 +34,18 @@ from torch import Tensor
 from gspo.config import TrainConfig
 from gspo.core import objectives
 from gspo.core.plan import UpdatePlan, live_rows, plan_update
+from gspo.core.trajectory import dropped_rows, scored_mask
 from gspo.observe import diagnostics
 from gspo.observe.records import UpdateRecord
 from gspo.observe.timing import StepTimer, breakdown
 from gspo.rewards.isolation import correct_all
-from gspo.core.trajectory import dropped_rows, scored_mask
 from gspo.rollout.collect import minibatch_seed
 from gspo.rollout.generate import RolloutBatch
 from gspo.training import lora
 from gspo.training.algorithms import Algorithm
-from gspo.training.passes import LogprobPasses, Minibatch, MinibatchForward
 from gspo.training.old_policy import Context, OldLogprobs, OldPolicy, Strategy
+from gspo.training.optim import MinibatchSteps
+from gspo.training.passes import LogprobPasses, Minibatch, MinibatchForward
 
 
 class BatchSource(Protocol):
@@ -162,8 +163,8 @@ class RLStep:
             batch.loss_mask = scored_mask(batch, self.cfg.train.mask_truncated)
         record, timer = UpdateRecord.start(batch.loss_mask), timer or StepTimer(self.device)
         ref_logp = self.reference_logprobs(batch)                       # [N, T] or None
-        collected: dict[str, list[Tensor]] = {}
-        nonfinite = 0
+        steps = MinibatchSteps(self.optimizer, self.scheduler, self.cfg.train.grad_clip,
+                               clip=self.ranks.clip_grad_norm)
         self.model.train()
         for i, mb in enumerate(minibatches(plan, batch.loss_mask, self.device)):
             with timer.section("forward_backward"):
@@ -180,23 +181,10 @@ class RLStep:
                 self.backward(total, mb.partial)
                 total = self.ranks.sync_grads(self.model, total)  # Σ_r ∇L_r = ∇L, the global loss
             with timer.section("optimizer"):
-                grad_norm = self.ranks.clip_grad_norm(self.model.parameters(),
-                                                      self.cfg.train.grad_clip)
-                stats["optim/grad_norm"] = grad_norm.detach()
-                if bool(torch.isfinite(total.detach()) & torch.isfinite(grad_norm)):  # one sync
-                    self.optimizer.step()
-                else:  # a NaN/Inf loss or gradient is never applied: skip this update, counted
-                    self.optimizer.zero_grad(set_to_none=True)
-                    nonfinite += 1
-                self.scheduler.step()
-            stats = self.ranks.reduce_stats(stats, mb.mask[mb.idx], self.spec.sequence_level)
-            for k, v in stats.items():
-                collected.setdefault(k, []).append(v.float())
-        # one host sync per step: stack every metric, then move to Python floats together
-        keys = list(collected)
-        values = torch.stack([torch.stack(collected[k]).mean() for k in keys]).tolist()
-        return {**dict(zip(keys, values)), "optim/lr": self.scheduler.get_last_lr()[0],
-                "optim/skipped_nonfinite": nonfinite,
+                stats["optim/grad_norm"] = steps.apply(total, self.model.parameters()).detach()
+            steps.add(self.ranks.reduce_stats(stats, mb.mask[mb.idx], self.spec.sequence_level))
+        return {**steps.means(), "optim/lr": self.scheduler.get_last_lr()[0],
+                "optim/skipped_nonfinite": steps.skipped,
                 **self.ranks.reduce_metrics({"train/rows_skipped": plan.skipped}, 1)}, record
 
     # ----------------------------------------------------------------------------- its parts
