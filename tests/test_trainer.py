@@ -287,14 +287,14 @@ def test_dynamic_sampling_keeps_whole_informative_groups(fresh, monkeypatch):
     t = fresh("rollout.group_size=2", "train.minibatches=2", "train.dynamic_sampling=true",
               "train.max_refill_rounds=3", "task.name=multistep")
     G, P = 2, 4
-    widths, real_generate = [], collect_module.generate
+    widths, real_generate = [], collect_module.engines.generate_batch
 
     def spy(*args, **kwargs):
         out = real_generate(*args, **kwargs)
         widths.append(out.input_ids.shape[1] - out.response_mask.shape[1])   # prompt width
         return out
 
-    monkeypatch.setattr(collect_module, "generate", spy)
+    monkeypatch.setattr(collect_module.engines, "generate_batch", spy)
     batch, rewards, stats = t.collector.collect(0)
     assert stats["reward/refill_rounds"] >= 1, "this seed must exercise the refill"
     assert len(set(widths)) > 1, "rounds of different prompt widths"

@@ -120,7 +120,7 @@ def make_batches(cfg, worker: Collector, passes: LogprobPasses, step: int, *, sk
         if k >= cfg.train.steps:                   # (the last s steps' π_prox only)
             continue
         with rng_lock:
-            collected = worker.collect(k)
+            collected = worker.collect(k, version=v)
         t0 = time.perf_counter()
         if k > v:
             behaviour_logp(cfg, skip_rows, passes, *collected[:2],

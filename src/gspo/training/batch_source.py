@@ -100,10 +100,7 @@ class SyncSource:
 
     def collect(self, step: int):
         """The batch of ``step``, sampled by the current weights (version ``step``)."""
-        batch, rewards, metrics = self.collector.collect(step)
-        if batch is not None:
-            batch.version = step
-        return batch, rewards, metrics
+        return self.collector.collect(step, version=step)
 
     def proximal(self, step: int):
         raise RuntimeError("a synchronous batch is never stale: π_old is the trainer's own")
@@ -165,8 +162,6 @@ class AsyncSource:
         waited = time.perf_counter() - t0
         made_for, version, (batch, rewards, metrics), cursor, worker = item
         assert made_for == step, f"async rollouts: batch of step {made_for} offered at step {step}"
-        if batch is not None:
-            batch.version = version
         self.collector.cursor.load(cursor)
         metrics = {**metrics,
                    "async/worker_generate_s": metrics.pop("time/generate_s", 0.0),
