@@ -27,6 +27,7 @@ from gspo.models import moe
 from gspo.models.presets import DTYPES
 from gspo.rewards.isolation import correct_all
 from gspo.rollout import engines
+from gspo.rollout.episodes import Episode, SingleTurn
 from gspo.rollout.generate import RolloutBatch, SamplingParams, generate
 
 
@@ -133,6 +134,8 @@ class Collector:
     shards: Shards
     device: torch.device
     engine: engines.Engine | None = None   # rollout.engine, built on first use (``sampler``)
+    episode: Episode = field(default_factory=SingleTurn)
+    """How the prompts become trajectories through the engine (gspo.rollout.episodes)."""
     evaluator: engines.Engine | None = None
     """hf: the engine on the policy itself that evaluation samples through (``eval_engine``)."""
     keep_logprobs: bool = False
@@ -201,7 +204,7 @@ class Collector:
         return self.evaluator
 
     def generate(self, examples, seed: int, version: int | None = None) -> RolloutBatch:
-        """G responses to each example through the engine (token ids in and out); under
+        """G responses to each example through the engine (the ``episode``); under
         moe.routing_replay=rollout the experts the sampler routed to are kept (``batch.routing``)."""
         cfg, engine = self.cfg, self.sampler(version)
         with_logprobs = (cfg.train.old_logprobs == "rollout" or cfg.train.log_rollout_logprobs
@@ -210,9 +213,9 @@ class Collector:
         capture = cfg.moe.routing_replay == "rollout"         # (an engine with a module: hf)
         with moe.capture_routing(engine.module) if capture else contextlib.nullcontext() as cap, \
                 self.shards.full_params():      # fsdp: gathered, so ranks may generate unequal lengths
-            batch = engines.generate_batch(engine, self.tokenizer, examples, self.sampling,
-                                           group_size=cfg.rollout.group_size, seed=seed,
-                                           with_logprobs=with_logprobs)
+            batch = self.episode(engine, self.tokenizer, examples, self.sampling,
+                                 group_size=cfg.rollout.group_size, seed=seed,
+                                 with_logprobs=with_logprobs)
         if capture:
             batch.routing = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
         return batch

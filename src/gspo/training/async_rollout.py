@@ -1,16 +1,11 @@
 """The asynchronous rollout worker: batches k+1.. made ahead while the trainer trains on batch k.
 
-Under ``rollout.async: true`` the batch source (gspo.training.batch_source.AsyncSource, which
-does the version and staleness arithmetic and keeps the weights of the batches in flight) starts a
-worker with its own copy of the policy that generates, scores and, when the batch is stale, takes
-π_old-related log-probs of the batches to come. The worker is a child process
-(``rollout.async_worker: process``, the default: ``ProcessWorker``) or a thread of this process
-(``thread``: ``ThreadWorker``); both run the same loop, ``make_batches``, and both take published
-weights through one interface (``publish(weights, version)``: a queue of safetensors bytes, or a
-dict under a condition variable). The worker samples through its own engine built on its policy
-(hf), or, for an engine that is ``shared`` (vllm: one per process), a thread worker through the
-trainer's, updated to the worker's weights before each generation (the process worker builds its
-own in its process).
+Started by the batch source (gspo.training.batch_source.AsyncSource: the version arithmetic), a
+worker with its own copy of the policy generates, scores and, for a stale batch, takes log-probs
+of the batches to come. It is a child process (``rollout.async_worker: process``: ``ProcessWorker``)
+or a thread (``thread``: ``ThreadWorker``); both run ``make_batches`` and take weights through
+``publish(weights, version)``. It samples through its own engine, or a thread worker through the
+trainer's when the engine is ``shared`` (vllm: one per process).
 
 **π_old of a stale batch** (k - v > 0; docs/math.md, "Asynchronous rollouts"). When k = v the
 trainer computes π_old itself, exactly as in the synchronous loop. Otherwise, by

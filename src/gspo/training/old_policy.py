@@ -99,13 +99,7 @@ class Context:
 
 
 STRATEGIES: Registry[type] = Registry("π_old strategy")
-
-
-def register(name: str):
-    def decorate(cls):
-        STRATEGIES.add(name, cls)
-        return cls
-    return decorate
+register = STRATEGIES.register
 
 
 class Known:
