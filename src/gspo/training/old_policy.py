@@ -201,7 +201,9 @@ class Proximal:
 
     def __call__(self, batch, advantages, plan, timer, step) -> OldLogprobs:
         cfg = self.ctx.cfg.train
-        batch.loss_mask = scored_mask(batch, cfg.mask_truncated)     # corrected per minibatch
+        # corrected per minibatch, in place: its own tensor (the scored mask may be the
+        # response mask itself, which must stay as generated: attention and lengths)
+        batch.loss_mask = scored_mask(batch, cfg.mask_truncated).clone()
         late = LateProximal(self.ctx.feed.proximal(step), batch.rollout_logp, advantages,
                             batch.loss_mask, plan.old_rows, mode=cfg.rollout_correction.mode,
                             params=cfg.rollout_correction.params(), per_row=self.ctx.per_row)
