@@ -179,7 +179,7 @@ class Collector:
         None: the worker builds its own from its copy of the policy."""
         return self.sampler() if engines.is_shared(self.cfg.rollout.engine) else None
 
-    def rest(self) -> None:
+    def sleep_engine(self) -> None:
         """After a step's generation, before its update: put the engine to sleep
         (rollout.engine_sleep; a no-op for an engine with nothing to free)."""
         if self.engine is not None and self.cfg.rollout.engine_sleep:
@@ -223,9 +223,9 @@ class Collector:
     def collect(self, step: int, version: int | None = None
                 ) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
         """Generate and score P groups; with dynamic sampling, drop zero-variance groups and refill.
-        The engine sleeps once the step's generation is done (``rest``)."""
+        The engine sleeps once the step's generation is done (``sleep_engine``)."""
         batch, rewards, metrics = self.collect_groups(step, version)
-        self.rest()
+        self.sleep_engine()
         if batch is not None:
             batch.version = version
         return batch, rewards, metrics

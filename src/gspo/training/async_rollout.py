@@ -276,7 +276,7 @@ class ThreadWorker:
 class WorkerSpec:
     """What the child process builds its collector and log-prob passes from (pickled once)."""
     cfg: object
-    parts: dict                 # the Collector's fields but its rewards and engine (model on CPU)
+    parts: dict                 # the Collector's fields but its rewards and engines (model on CPU)
     passes: LogprobPasses       # its model is set to the child's policy
     device: str
     step: int
@@ -317,7 +317,7 @@ class ProcessWorker:
         self._device = str(collector.device)
         model = collector.model if self._device == "cpu" else copy.deepcopy(collector.model).cpu()
         parts = {f.name: getattr(collector, f.name) for f in dataclasses.fields(collector)
-                 if f.name not in ("rewards", "engine")}
+                 if f.name not in ("rewards", "engine", "evaluator")}
         passes = copy.copy(passes)
         passes.model = None
         spec = WorkerSpec(cfg, {**parts, "model": model, "cursor": copy.deepcopy(collector.cursor)},
