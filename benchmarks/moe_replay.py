@@ -23,6 +23,7 @@ from gspo.models import moe
 from gspo.core.advantages import group_advantages
 from gspo.config import load_config
 from gspo.training.trainer import Trainer
+from gspo.training.old_policy import OldLogprobs
 
 
 def timed(fn, repeats: int) -> float:
@@ -47,12 +48,12 @@ def main() -> None:
     step, passes = trainer.step, trainer.step.passes
     batch, rewards, _ = trainer.collector.collect(0)
     old_logp = step.old_logprobs(batch)                        # captures pi_old's experts
-    routing = batch.extras["routing"]                          # [N, L, layers, k] uint8
+    routing = batch.routing                          # [N, L, layers, k] uint8
     T = batch.response_mask.shape[1]
 
     # 1. one RL update (all minibatches), then the change of the top-k sets on the same batch
     adv = group_advantages(rewards, cfg.rollout.group_size)
-    step.update(batch, adv, old_logp, step.plan(batch, adv, 0, optimize=False))
+    step.update(batch, OldLogprobs(old_logp, adv), step.plan(batch, adv, 0, speed_paths=False))
     with torch.no_grad(), moe.capture_routing(trainer.model) as cap:
         passes.logprobs(trainer.model, batch)
     overall, per_layer = moe.routing_change_rate(moe.response_routing(routing, T),

@@ -21,7 +21,8 @@ from gspo.training.trainer import Trainer
 from gspo.core.value import Critic
 
 PPO_KEYS = ["value/loss", "value/explained_variance", "value/mean", "value/clip_frac",
-            "value/returns_mean", "policy/loss", "policy/clip_frac_tokens", "policy/ratio_mean"]
+            "value/returns_mean", "policy/loss", "policy/clip_frac_tokens", "policy/ratio_mean",
+            "value/skipped_nonfinite"]
 
 
 def _parity(reward_module: str) -> str:
@@ -129,6 +130,7 @@ def test_sft_baseline_runs_at_the_rl_token_budget(make_cfg, reward_module):
     assert [r["step"] for r in rows] == [0, 1, 2] and summary["objective"] == "sft"
     for row in rows[1:]:
         assert row["sft/loss"] > 0 and "reward/mean" in row and "policy/loss" not in row
+        assert row["optim/skipped_nonfinite"] == 0      # the RL step's non-finite handling
         # demonstrations sized to the rollouts' response tokens: within half a demonstration
         assert abs(row["sft/tokens"] - row["sft/rl_tokens"]) <= cfg.rollout.max_new_tokens / 2
     assert rows[2]["optim/lr"] == pytest.approx(cfg.train.lr)

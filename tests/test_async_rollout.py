@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo.training import async_rollout
+from gspo.training import async_rollout, batch_source
 from gspo.config import ConfigError, load_config
 from gspo.errors import Interrupted, UserError
 from gspo.core import correction, objectives
 from gspo.core.logprobs import response_logprobs
 from gspo.observe.metrics import read_metrics
-from gspo.rollout.collect import loss_mask
+from gspo.core.trajectory import scored_mask
 from gspo.rollout.generate import RolloutBatch
 from gspo.models.presets import (build_model, dropout_rates, enable_activation_checkpointing,
                                  load_model)
@@ -75,17 +75,17 @@ def test_staleness_zero_reproduces_the_synchronous_run(make_cfg, reward_module, 
 @contextlib.contextmanager
 def recorded_batches():
     """{step: the batch the trainer got} while the block runs (AsyncSource.collect wrapped)."""
-    seen, original = {}, async_rollout.AsyncSource.collect
+    seen, original = {}, batch_source.AsyncSource.collect
 
     def recording(self, step):
         out = original(self, step)
         seen[step] = out[0]
         return out
-    async_rollout.AsyncSource.collect = recording
+    batch_source.AsyncSource.collect = recording
     try:
         yield seen
     finally:
-        async_rollout.AsyncSource.collect = original
+        batch_source.AsyncSource.collect = original
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +117,8 @@ def test_old_logprobs_of_a_stale_batch_are_the_behaviour_policys(stale, small_co
     own, for every row (sampler_is_behaviour), and the batch carries no sampler log-probs."""
     cfg = small_config(stale.root, "sft.enabled=false")
     batch = stale.seen[2]
-    old = batch.extras["behaviour_logp"]                                         # [N, T]
-    assert "behaviour_logp" not in stale.seen[0].extras    # on-policy: the trainer recomputes
+    old = batch.behaviour_logp                                                   # [N, T]
+    assert stale.seen[0].behaviour_logp is None    # on-policy: the trainer recomputes
     assert batch.rollout_logp is None and stale.seen[0].rollout_logp is None
     behaviour, _ = load_model(f"{stale.run}/checkpoints/step_000001")
     current, _ = load_model(f"{stale.run}/checkpoints/step_000002")
@@ -277,13 +277,13 @@ def test_device_tensors_cross_on_the_cpu_and_go_back():
     wrap = async_rollout._OnDevice
     batch = RolloutBatch(wrap(torch.ones(2, 3)), wrap(torch.ones(2, 3)), wrap(torch.ones(2, 1)),
                          wrap(torch.zeros(2, dtype=torch.bool)), ["a", "b"], [1, 2],
-                         extras={"behaviour_logp": wrap(torch.full((2, 1), -0.5))},
+                         behaviour_logp=wrap(torch.full((2, 1), -0.5)),
                          correct=torch.tensor([True, False]))
     item = (3, 2, (batch, wrap(torch.tensor([1.0, 0.0])), {"reward/mean": 0.5}), {"index": 8}, {})
     back = async_rollout._from_host(item, "cpu")
     b = back[2][0]
     assert isinstance(b, RolloutBatch) and b.completions == ["a", "b"] and b.examples == [1, 2]
-    assert torch.equal(b.extras["behaviour_logp"], torch.full((2, 1), -0.5))
+    assert torch.equal(b.behaviour_logp, torch.full((2, 1), -0.5))
     assert torch.equal(b.input_ids, torch.ones(2, 3)) and b.correct is batch.correct
     assert torch.equal(back[2][1], torch.tensor([1.0, 0.0])) and back[2][2] == {"reward/mean": 0.5}
     assert back[:2] == (3, 2) and back[3] == {"index": 8}
@@ -311,8 +311,8 @@ def test_the_rl_update_leaves_torchs_global_rng_alone(fresh, monkeypatch, checkp
     t = fresh(f"train.activation_checkpointing={checkpointing}")
     batch, rewards, metrics = t.collector.collect(0)
     assert rewards.view(-1, t.cfg.rollout.group_size).std(-1).gt(0).any(), "a signal to train on"
-    t.step.collector = SimpleNamespace(collect=lambda step: (batch, rewards, metrics),
-                                       seed=t.collector.seed, proximal=lambda step: None)
+    t.step.source = SimpleNamespace(collect=lambda step: (batch, rewards, metrics),
+                                    seed=t.collector.seed, proximal=lambda step: None)
     sets, set_rng_state = [], torch.set_rng_state
     monkeypatch.setattr(torch, "set_rng_state", lambda state: (sets.append(1), set_rng_state(state)))
     before = torch.get_rng_state()
@@ -326,10 +326,10 @@ def test_a_policy_with_dropout_is_refused(fresh):
     t = fresh()
     t.model.config.attention_dropout = 0.1
     with pytest.raises(UserError, match="config.attention_dropout=0.1") as err:
-        async_rollout.AsyncSource(t.cfg, t.collector, t.step.passes, skip_rows=True)
+        batch_source.AsyncSource(t.cfg, t.collector, t.step.passes, skip_rows=True)
     assert "\n" not in str(err.value)
     t.model.config.attention_dropout = 0.0
-    async_rollout.AsyncSource(t.cfg, t.collector, t.step.passes, skip_rows=True)   # no worker yet
+    batch_source.AsyncSource(t.cfg, t.collector, t.step.passes, skip_rows=True)   # no worker yet
 
 
 def test_checkpointing_repeats_the_dropout_masks_of_a_model_with_dropout():
@@ -387,17 +387,17 @@ def decoupled(tmp_path_factory, small_config, reward_module):
     make_cfg = lambda *o, run="run": small_config(root, *o, run=run)  # noqa: E731
     extra = ("rollout.async=true", "rollout.max_staleness=1", "rollout.async_ratio=decoupled",
              "train.rollout_correction.mode=tis")
-    handed, original = {}, async_rollout.AsyncSource._take_proximal
+    handed, original = {}, batch_source.AsyncSource._take_proximal
 
     def recording(self, step):
         handed[step] = original(self, step)
         return handed[step]
-    async_rollout.AsyncSource._take_proximal = recording
+    batch_source.AsyncSource._take_proximal = recording
     try:
         with recorded_batches() as seen:
             run = _run(make_cfg, reward_module, *extra)
     finally:
-        async_rollout.AsyncSource._take_proximal = original
+        batch_source.AsyncSource._take_proximal = original
     return SimpleNamespace(root=root, make_cfg=make_cfg, run=run, seen=seen, handed=handed,
                            extra=extra, reward=reward_module, rows=read_metrics(run))
 
@@ -413,7 +413,7 @@ def test_decoupled_takes_pi_prox_from_the_worker_and_weighs_it_to_the_sampler(de
     assert "async/worker_proximal_s" in rows[2] and "async/worker_proximal_s" not in rows[0]
     assert sorted(decoupled.handed) == [1, 2]                  # each stale batch, once
     batch, got = decoupled.seen[2], decoupled.handed[2]
-    assert "behaviour_logp" not in batch.extras and batch.rollout_logp is not None
+    assert batch.behaviour_logp is None and batch.rollout_logp is not None
     cfg = small_config(decoupled.root, "sft.enabled=false", *decoupled.extra)
     rewards = torch.tensor([float(ord(c[0]) % 2) if c else 0.0 for c in batch.completions])
     signal = async_rollout.behaviour_rows(rewards, cfg.rollout.group_size)
@@ -424,7 +424,7 @@ def test_decoupled_takes_pi_prox_from_the_worker_and_weighs_it_to_the_sampler(de
         prox = response_logprobs(proximal, batch.input_ids, batch.attention_mask,
                                  batch.response_mask, temperature=cfg.rollout.temperature).logp
     torch.testing.assert_close(got.logp, prox[got.rows], atol=2e-5, rtol=0)
-    mask = loss_mask(batch, cfg.train.mask_truncated)                                   # [N, T]
+    mask = scored_mask(batch, cfg.train.mask_truncated)                                 # [N, T]
     want = objectives.masked_mean(objectives.kl_k3(batch.rollout_logp[signal], prox[signal]),
                                   mask[signal])
     assert abs(rows[2]["mismatch/kl"] - want.item()) < 1e-5
@@ -597,8 +597,8 @@ def test_a_misspelt_key_is_told_the_yaml_name():
       "train.rollout_correction.mode=seq_tis"], False),       # already the remedy
 ])
 def test_a_stale_behaviour_ratio_points_to_the_decoupled_form(overrides, hinted):
-    hint = async_rollout.staleness_hint(load_config(None, ["rollout.async=true", *overrides]))
+    hint = batch_source.staleness_hint(load_config(None, ["rollout.async=true", *overrides]))
     assert (hint is not None) == hinted
     if hinted:
         assert "rollout.async_ratio=decoupled" in hint and "\n" not in hint
-    assert async_rollout.staleness_hint(load_config(None, overrides[:1])) is None   # synchronous
+    assert batch_source.staleness_hint(load_config(None, overrides[:1])) is None   # synchronous

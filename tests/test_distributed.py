@@ -37,6 +37,7 @@ from gspo.core.advantages import group_advantages
 from gspo.observe import reductions
 from gspo.training.distributed import Dist
 from gspo.rollout.collect import split_minibatches
+from gspo.training.old_policy import OldLogprobs
 
 P, G, T, V, H = 5, 3, 6, 11, 4   # prompts, group size, response columns, vocabulary, features
 WORLD = 2
@@ -269,9 +270,9 @@ def _trainer_updates(run_dir: Path, strategy: str, optimized: bool) -> tuple:
         advantages = group_advantages(rewards, G)
         rows = _rows(dist.rank, dist.world)
         batch, advantages = batch.select(rows), advantages[rows]
-        plan = trainer.step.plan(batch, advantages, step, optimize=optimized)
+        plan = trainer.step.plan(batch, advantages, step, speed_paths=optimized)
         old = trainer.step.old_logprobs(batch, rows=plan.old_rows)
-        metrics = trainer.step.update(batch, advantages, old, plan)
+        metrics = trainer.step.update(batch, OldLogprobs(old, advantages), plan)[0]
         history.append({k: metrics[k] for k in TRAINER_METRICS})
     trainer.save(2, 0.0)
     return trainer, history

@@ -1,6 +1,6 @@
 """rollout.engine_sleep in the loop, with a recording engine (no vLLM needed): the engine sleeps
 after each step's generation, so every optimizer update happens while it sleeps, and it wakes
-before its weights are synced for the next generation (the evaluation's included)."""
+before its weights are updated for the next generation (the evaluation's included)."""
 
 import torch
 
@@ -29,10 +29,10 @@ class RecordingEngine(engines.HFEngine):
         self.record("generate")
         return super().generate(*args, **kwargs)
 
-    def sync_weights(self, model):
-        assert not self.asleep, "weights synced while asleep"
-        self.record("sync")
-        super().sync_weights(model)
+    def update_weights(self, weights, version):
+        assert not self.asleep, "weights updated while asleep"
+        self.record("update")
+        super().update_weights(weights, version)
 
     def sleep(self):
         self.asleep = True
@@ -60,8 +60,8 @@ def test_the_engine_sleeps_through_every_update(make_cfg, reward_module, monkeyp
     events = run(make_cfg, reward_module, monkeypatch)       # rollout.engine_sleep: true (default)
     names = [name for name, _ in events]
     evaluation = ["generate", "generate"]                     # greedy, then the k samples
-    step = ["wake_up", "sync", "generate", "sleep"]
-    assert names == ["build", *evaluation, *step, *step, "wake_up", "sync", *evaluation]
+    step = ["wake_up", "update", "generate", "sleep"]
+    assert names == ["build", *evaluation, *step, *step, "wake_up", "update", *evaluation]
     sleeps = [i for i, name in enumerate(names) if name == "sleep"]
     for i in sleeps:                                          # after each step's generation:
         assert not same(events[i][1], events[i + 1][1])       # the update ran while it slept
@@ -74,4 +74,4 @@ def test_without_engine_sleep_it_is_never_put_to_sleep(make_cfg, reward_module, 
     events = run(make_cfg, reward_module, monkeypatch, "rollout.engine_sleep=false")
     names = [name for name, _ in events]
     assert "sleep" not in names and "wake_up" not in names
-    assert names.count("sync") == 3                           # before each step and the final eval
+    assert names.count("update") == 3                           # before each step and the final eval

@@ -51,12 +51,36 @@ def test_hf_engine_in_bfloat16_is_a_synced_copy(policy):
     out = engine.generate(prompt_ids(tok), 4, params, seed=1)
     assert out.logp.dtype == torch.float32 and torch.all(out.logp[out.response_mask > 0] < 0)
     moved = build_model("tiny-dense", 1)[0]             # other weights: the copy follows them
-    engine.sync_weights(moved)
+    engine.update_weights(moved.state_dict(), 1)
     w = moved.model.embed_tokens.weight
     assert torch.equal(engine.model.model.embed_tokens.weight, w.to(torch.bfloat16))
     assert not torch.equal(engine.model.model.embed_tokens.weight.float(), w)   # really rounded
+    assert engine.version == 1
     same = engines.build("hf", model, tok, dtype=torch.float32)
     assert not same.owns_copy and same.model is model
+
+
+def test_hf_engine_copies_weights_into_its_module_and_knows_when_it_is_the_policy(policy):
+    model, tok = policy
+    engine = engines.build("hf", model.__class__(model.config), tok)   # its own module
+    assert not engine.samples_on(model)
+    engine.update_weights(model.state_dict(), 3)       # copied in, in place
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), model.parameters()))
+    assert engine.version == 3
+    assert engines.build("hf", model, tok).samples_on(model)   # on the policy: nothing to update
+
+
+def test_an_engine_takes_only_the_options_it_honours(policy):
+    """hf has no seed of its own and no sleep mode: it refuses both rather than ignoring them;
+    a run offers each engine only the settings its constructor takes."""
+    model, tok = policy
+    for option in ({"seed": 0}, {"enable_sleep_mode": True}):
+        with pytest.raises(TypeError):
+            engines.build("hf", model, tok, **option)
+    settings = {"dtype": None, "seed": 0, "enable_sleep_mode": True, "share_prompts": False}
+    assert engines.options_for("hf", settings) == {"dtype": None, "share_prompts": False}
+    assert engines.options_for("vllm", settings) == {"dtype": None, "seed": 0,
+                                                     "enable_sleep_mode": True}
 
 
 def test_policy_weights_include_the_tied_head(policy):

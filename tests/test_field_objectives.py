@@ -14,9 +14,9 @@ from gspo import objective_presets as presets
 from gspo.training.algorithms import GroupRelative, OnlineDPO, get
 from gspo.core import objectives
 from gspo.core.advantages import group_advantages, rloo_advantages
+from gspo.core.trajectory import dropped_rows
 from gspo.config import ConfigError, dump_yaml, load_config
 from gspo.observe.metrics import read_metrics
-from gspo.rollout.collect import mark_dropped
 from gspo.rollout.data import build_task
 from gspo.training.cold_start import initial_policy
 from gspo.training.step import skips_rows
@@ -104,14 +104,14 @@ def test_rloo_is_selected_by_config_and_handles_drops():
         load_config(None, ["advantage.estimator=rloo", "advantage.scale=batch"])
     # the step's path: mark the dropped rows, then GroupRelative → rloo; a NaN reward is dropped
     # group (1, NaN, 0, 0.5): Â = (0.75, 0, −0.75, 0), the dropped row marked for the loss mask
-    batch = types.SimpleNamespace(extras={})
+    batch = types.SimpleNamespace(dropped=None)
     rewards = torch.tensor([1.0, float("nan"), 0.0, 0.5, 1, 0, 0, 0])
-    mark_dropped(batch, rewards)
+    batch.dropped = dropped_rows(rewards)
     adv = GroupRelative(cfg).advantages(batch, rewards)
     assert adv.tolist() == pytest.approx([0.75, 0, -0.75, 0, 1, -1 / 3, -1 / 3, -1 / 3])
-    assert batch.extras["dropped"].tolist() == [False, True] + [False] * 6
+    assert batch.dropped.tolist() == [False, True] + [False] * 6
     clean = torch.tensor([1.0, 0, 0, 0, 3, 1, 2, 6])
-    torch.testing.assert_close(GroupRelative(cfg).advantages(types.SimpleNamespace(extras={}), clean),
+    torch.testing.assert_close(GroupRelative(cfg).advantages(types.SimpleNamespace(dropped=None), clean),
                                rloo_advantages(clean, 4))
 
 
@@ -164,6 +164,7 @@ def test_online_dpo_trains_against_the_cold_start(make_cfg, reward_module):
     assert first["dpo/margin"] == pytest.approx(0.0, abs=1e-4)
     assert first["dpo/loss"] == pytest.approx(0.6931472, abs=1e-4)
     assert second["dpo/margin"] != pytest.approx(0.0, abs=1e-6)        # the policy left the reference
+    assert first["optim/skipped_nonfinite"] == 0                       # the RL step's counter
     cold, _, _ = initial_policy(cfg, build_task(cfg), log=lambda m: None, progress=False)
     assert _moved(cold, trainer.model)
     assert not _moved(cold, trainer.algorithm.ref)                     # the reference stays the cold start

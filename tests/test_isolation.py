@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from gspo.core.advantages import group_advantages
+from gspo.core.trajectory import dropped_rows
 from gspo.cli import main
 from gspo.errors import RewardError
 from gspo.rewards.isolation import IsolatedReward, IsolatedTask, TimedCaller
-from gspo.rollout.collect import mark_dropped
 from gspo.observe.metrics import read_metrics
 from gspo.rewards.sources import CombinedReward, FunctionReward
 from gspo.rollout.generate import RolloutBatch
 from gspo.tasks import Example
 from gspo.training.trainer import Trainer
+from gspo.training.old_policy import OldLogprobs
 
 FOREVER = threading.Event()  # never set: a hang that costs no CPU
 
@@ -154,7 +155,7 @@ def _batch(n: int, t: int = 3) -> RolloutBatch:
 
 def advantages_with_drops(batch, rewards, group_size, **options):
     """What the step does with a scored batch: mark the dropped rows, then group advantages."""
-    mark_dropped(batch, rewards)
+    batch.dropped = dropped_rows(rewards)
     return group_advantages(rewards, group_size, **options)
 
 
@@ -170,7 +171,7 @@ def test_advantages_with_drops_by_hand():
     expected = [(1 / 3) / s, (-2 / 3) / s, 0.0, (1 / 3) / s, 0, 0, 0, 0]
     expected += group_advantages(rewards[8:], 4, eps=0.0).tolist()     # untouched group
     assert adv.tolist() == pytest.approx(expected, abs=1e-6)
-    assert batch.extras["dropped"].nonzero().squeeze(-1).tolist() == [2, 4, 6, 7]
+    assert batch.dropped.nonzero().squeeze(-1).tolist() == [2, 4, 6, 7]
     assert batch.response_mask.sum() == 36                              # as generated
 
 
@@ -178,7 +179,7 @@ def test_advantages_without_drops_are_the_plain_ones():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
     batch = _batch(4)
     assert torch.equal(advantages_with_drops(batch, rewards, 4), group_advantages(rewards, 4))
-    assert "dropped" not in batch.extras
+    assert batch.dropped is None
 
 
 def test_dropped_samples_leave_the_loss_mask(make_cfg, reward_module):
@@ -187,10 +188,11 @@ def test_dropped_samples_leave_the_loss_mask(make_cfg, reward_module):
                          "train.minibatches=1"), log=lambda m: None)
     t.setup()
     batch, rewards, _ = t.collector.collect(0)
-    batch.extras["dropped"] = torch.ones(len(rewards), dtype=torch.bool)   # everything dropped
+    batch.dropped = torch.ones(len(rewards), dtype=torch.bool)   # everything dropped
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     adv = group_advantages(rewards, 4)
-    row = t.step.update(batch, adv, t.step.old_logprobs(batch), t.step.plan(batch, adv, 0, optimize=False))
+    row, _ = t.step.update(batch, OldLogprobs(t.step.old_logprobs(batch), adv),
+                           t.step.plan(batch, adv, 0, speed_paths=False))
     assert row["policy/loss"] == 0.0 and row["optim/grad_norm"] == 0.0
     assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters())
 
@@ -237,7 +239,7 @@ def test_drop_policy_in_a_training_step(make_cfg, flaky):
     assert 0 < stats["reward/errors"] == int(failed.sum()) < len(rewards), "this seed must mix"
     assert math.isfinite(stats["reward/mean"])
     adv = advantages_with_drops(batch, rewards, 8)
-    assert torch.equal(batch.extras["dropped"], failed)
+    assert torch.equal(batch.dropped, failed)
     assert torch.all(adv[failed] == 0) and torch.all(adv[~failed] != 0)
     row = t.step(1)                                                  # a whole step: finite, applied
     assert row["reward/errors"] > 0 and math.isfinite(row["reward/mean"])

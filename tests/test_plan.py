@@ -15,6 +15,7 @@ from gspo.core.plan import live_rows, plan_update
 from gspo.observe.report import build_report
 from gspo.observe.timing import PARTS, StepTimer, breakdown
 from gspo.training.trainer import Trainer
+from gspo.training.old_policy import OldLogprobs
 
 
 def _parity(reward_module: str) -> str:
@@ -83,10 +84,10 @@ def pair(make_cfg, reward_module, linear_updates):
     return build
 
 
-def _update(t: Trainer, batch, adv, step: int, optimize: bool) -> tuple[dict, torch.Tensor]:
-    plan = t.step.plan(batch, adv, step, optimize=optimize)
+def _update(t: Trainer, batch, adv, step: int, speed_paths: bool) -> tuple[dict, torch.Tensor]:
+    plan = t.step.plan(batch, adv, step, speed_paths=speed_paths)
     old = t.step.old_logprobs(batch, rows=plan.old_rows)
-    return t.step.update(batch, adv, old, plan), old
+    return t.step.update(batch, OldLogprobs(old, adv), plan)[0], old
 
 
 def _weights(t: Trainer) -> dict[str, torch.Tensor]:
@@ -106,8 +107,8 @@ def test_optimized_update_equals_the_plain_one(pair, preset):
     start = _weights(fast)
     adv = group_advantages(rewards, 4)
     adv.view(-1, 4)[::2] = 0.0                                            # groups 0, 2: no signal
-    row_f, old_f = _update(fast, batch, adv, 0, optimize=True)
-    row_p, old_p = _update(plain, batch_b, adv, 0, optimize=False)
+    row_f, old_f = _update(fast, batch, adv, 0, speed_paths=True)
+    row_p, old_p = _update(plain, batch_b, adv, 0, speed_paths=False)
     live = adv != 0
     assert row_f["train/rows_skipped"] == (~live).sum().item() and row_p["train/rows_skipped"] == 0
     assert torch.allclose(old_f[live], old_p[live], rtol=0, atol=1e-5)
@@ -115,7 +116,7 @@ def test_optimized_update_equals_the_plain_one(pair, preset):
         assert row_f[key] == pytest.approx(row_p[key], rel=1e-4, abs=1e-7)
     if preset == "tiny-moe":   # π_old's experts at every scored position of the live rows
         T, mask = batch.response_mask.shape[1], batch.response_mask[live].bool()
-        old_experts = [moe.response_routing(b.extras["routing"], T)[live][mask] for b in (batch, batch_b)]
+        old_experts = [moe.response_routing(b.routing, T)[live][mask] for b in (batch, batch_b)]
         assert torch.equal(*old_experts)
     # rows computed in other batch shapes (and prompts run once per group) round differently
     # (~1e-7 of the gradient); SGD carries that into the weights as such

@@ -202,7 +202,9 @@ def test_demonstration_batch_cut_is_truncated(tiny, arith):
 # ------------------------------------------------------------------------------- select
 
 def test_select_rows(batch):
-    b = RolloutBatch(**{**batch.__dict__, "extras": {"tag": torch.arange(len(batch.completions))}})
+    tag = torch.arange(len(batch.completions))
+    b = RolloutBatch(**{**batch.__dict__, "dropped": tag % 2 == 0, "loss_mask": tag[:, None] * 1.0,
+                        "version": 3})
     idx = torch.tensor([5, 0, 7])
     s = b.select(idx)
     assert torch.equal(s.input_ids, b.input_ids[idx])
@@ -212,7 +214,8 @@ def test_select_rows(batch):
     assert torch.equal(s.rollout_logp, b.rollout_logp[idx])
     assert s.completions == [b.completions[i] for i in (5, 0, 7)]
     assert s.examples == [b.examples[i] for i in (5, 0, 7)]
-    assert s.extras["tag"].tolist() == [5, 0, 7]
+    assert s.dropped.tolist() == [False, True, False] and s.loss_mask[:, 0].tolist() == [5, 0, 7]
+    assert s.version == 3 and s.routing is None and s.behaviour_logp is None
     empty = b.select(torch.tensor([], dtype=torch.long))
     assert empty.input_ids.shape[0] == 0 and empty.completions == []
 

@@ -23,6 +23,7 @@ from gspo.observe.report import build_report
 from gspo.rollout.collect import DataCursor, split_minibatches
 from gspo.training.cold_start import initial_policy
 from gspo.training.trainer import Trainer
+from gspo.training.old_policy import OldLogprobs
 from conftest import parity_rewards
 
 STEP_KEYS = [
@@ -286,14 +287,14 @@ def test_dynamic_sampling_keeps_whole_informative_groups(fresh, monkeypatch):
     t = fresh("rollout.group_size=2", "train.minibatches=2", "train.dynamic_sampling=true",
               "train.max_refill_rounds=3", "task.name=multistep")
     G, P = 2, 4
-    widths, real_generate = [], collect_module.generate
+    widths, real_generate = [], collect_module.engines.generate_batch
 
     def spy(*args, **kwargs):
         out = real_generate(*args, **kwargs)
         widths.append(out.input_ids.shape[1] - out.response_mask.shape[1])   # prompt width
         return out
 
-    monkeypatch.setattr(collect_module, "generate", spy)
+    monkeypatch.setattr(collect_module.engines, "generate_batch", spy)
     batch, rewards, stats = t.collector.collect(0)
     assert stats["reward/refill_rounds"] >= 1, "this seed must exercise the refill"
     assert len(set(widths)) > 1, "rounds of different prompt widths"
@@ -312,7 +313,8 @@ def test_dynamic_sampling_keeps_whole_informative_groups(fresh, monkeypatch):
         assert torch.equal(batch.response_mask[i].nonzero().squeeze(-1),
                            torch.arange(int(batch.response_mask[i].sum())))  # ones then zeros
     adv = group_advantages(rewards, G)
-    row = t.step.update(batch, adv, t.step.old_logprobs(batch), t.step.plan(batch, adv, 0, optimize=False))
+    row, _ = t.step.update(batch, OldLogprobs(t.step.old_logprobs(batch), adv),
+                           t.step.plan(batch, adv, 0, speed_paths=False))
     assert math.isfinite(row["policy/loss"])
 
 
@@ -334,7 +336,8 @@ def test_update_with_fewer_rows_than_minibatches(fresh):
     rows = torch.tensor([2 * g, 2 * g + 1])                              # one informative group
     small = batch.select(rows)
     adv = group_advantages(rewards[rows], 2)
-    row = t.step.update(small, adv, t.step.old_logprobs(small), t.step.plan(small, adv, 0, optimize=False))
+    row, _ = t.step.update(small, OldLogprobs(t.step.old_logprobs(small), adv),
+                           t.step.plan(small, adv, 0, speed_paths=False))
     assert math.isfinite(row["policy/loss"])
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
 

@@ -51,16 +51,16 @@ def test_moe_greedy_tokens_equal_transformers(moe):
 def test_moe_logprobs_equal_the_trainers_after_weight_syncs(moe):
     model, _, engine = moe
     assert gap(moe) < 1e-5                                     # as built
-    engine.sync_weights(model)                                 # unchanged weights (was 0.13 off)
+    engine.update_weights(model.state_dict(), None)                                 # unchanged weights (was 0.13 off)
     assert gap(moe) < 1e-5
     with torch.no_grad():                                      # a step's worth of change, everywhere
         gen = torch.Generator().manual_seed(1)
         for p in model.parameters():
             p.add_(1e-2 * torch.randn(p.shape, generator=gen))
     assert gap(moe) > 1e-3                                     # before the sync: the old weights
-    engine.sync_weights(model)
+    engine.update_weights(model.state_dict(), None)
     assert gap(moe) < 1e-5
-    engine.sync_weights(model)                                 # twice in a row: still right
+    engine.update_weights(model.state_dict(), None)                                 # twice in a row: still right
     assert gap(moe) < 1e-5
 
 
@@ -68,12 +68,12 @@ def test_vllms_reload_alone_leaves_the_cpu_experts_stale(moe):
     """The finding behind forget_moe_kernels, kept measured: vLLM 0.32's reload_weights of the very
     same weights, without the repair, moves the CPU experts' log-probs by far more than 1e-5."""
     model, _, engine = moe
-    engine.sync_weights(model)
+    engine.update_weights(model.state_dict(), None)
     assert gap(moe) < 1e-5
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": engines.policy_weights(model)})
     engine.llm.reset_prefix_cache()
     assert gap(moe) > 1e-2
-    engine.sync_weights(model)                                 # and the repair repairs it
+    engine.update_weights(model.state_dict(), None)                                 # and the repair repairs it
     assert gap(moe) < 1e-5
 
 

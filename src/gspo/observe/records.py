@@ -11,7 +11,8 @@ Training (``audit.every: K``) writes, for every K-th RL step, ``RUN/audit/step_N
     policy_old/         π_old (the model before this step's updates): a transformers checkpoint
     policy_new/         π_new (right after them, before the guard looked at the step)
 
-``UpdateRecord`` is what the update notes per row as it trains (also read by the length slices);
+``UpdateRecord`` is what the update notes per row as it trains (also read by the length slices;
+the loss mask it trained with is the batch's own, ``batch.loss_mask``, copied into the record);
 ``Recorder`` writes it out, handed the policy, the objective and the run's constants when built and
 the step's tensors when it finishes, never the trainer. The audit that reads the records is
 ``gspo.tools.audit``. Tensors only through safetensors, the rest JSON: nothing is pickled.
@@ -53,16 +54,16 @@ def list_records(run_dir: str | Path) -> list[int]:
 
 @dataclass
 class UpdateRecord:
-    """One update, per row: the loss mask, the log-probs as trained on and the minibatch; plus
-    the objective's loss of each minibatch."""
-    mask: Tensor                                   # [N, T] loss mask
+    """One update, per row: the log-probs as trained on and the minibatch; plus the objective's
+    loss of each minibatch."""
     logp: Tensor                                   # [N, T] π_θ log-probs at use
     minibatch: Tensor                              # [N] minibatch of each row (-1: none)
     loss: list[Tensor] = field(default_factory=list)
 
     @classmethod
     def start(cls, mask: Tensor) -> "UpdateRecord":
-        return cls(mask, torch.zeros(mask.shape, device=mask.device),
+        """An empty record for a batch whose loss mask is ``mask`` [N, T] (its shape)."""
+        return cls(torch.zeros(mask.shape, device=mask.device),
                    torch.full(mask.shape[:1], -1, dtype=torch.long, device=mask.device))
 
     def add(self, idx: Tensor, logp: Tensor, loss: Tensor) -> None:
@@ -147,21 +148,21 @@ class Recorder:
         new_logp = new_logprobs(batch)                                          # [N, T]
         self.model.train(was_training)
         ratio, clip = per_row_stats(self.objective, record.logp, old_logp, advantages,
-                                    record.mask, self.objective_kwargs)
+                                    batch.loss_mask, self.objective_kwargs)
         tensors = {
             "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
             "response_mask": batch.response_mask, "truncated": batch.truncated,
             "lengths": batch.lengths, "rewards": rewards, "advantages": advantages,
-            "old_logp": old_logp, "loss_mask": record.mask, "used_logp": record.logp,
+            "old_logp": old_logp, "loss_mask": batch.loss_mask, "used_logp": record.logp,
             "minibatch": record.minibatch, "new_logp": new_logp,
             "row_ratio": ratio, "row_clip_frac": clip,
         }
         if batch.rollout_logp is not None:
             tensors["rollout_logp"] = batch.rollout_logp
-        if "routing" in batch.extras:
-            tensors["routing"] = batch.extras["routing"]
-        if "dropped" in batch.extras:  # rewards.on_error=drop: rows left out of the loss
-            tensors["dropped"] = batch.extras["dropped"]
+        if batch.routing is not None:
+            tensors["routing"] = batch.routing
+        if batch.dropped is not None:  # rewards.on_error=drop: rows left out of the loss
+            tensors["dropped"] = batch.dropped
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()},
                   str(tmp / "batch.safetensors"))
         meta = {

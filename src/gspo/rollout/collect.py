@@ -2,7 +2,7 @@
 
 ``Collector.collect(step)`` takes the next P training prompts (``DataCursor``), samples G
 responses per prompt with the policy (``generate``; under ``moe.routing_replay=rollout`` the
-experts used are kept in ``batch.extras["routing"]``), scores them with the run's rewards and
+experts used are kept in ``batch.routing``), scores them with the run's rewards and
 returns the batch, its rewards [N] and the step's reward / response metrics. With
 ``train.dynamic_sampling`` groups whose rewards are all equal are dropped and fresh prompts drawn
 until the batch is full again (at most ``train.max_refill_rounds`` more rounds).
@@ -27,6 +27,7 @@ from gspo.models import moe
 from gspo.models.presets import DTYPES
 from gspo.rewards.isolation import correct_all
 from gspo.rollout import engines
+from gspo.rollout.episodes import Episode, SingleTurn
 from gspo.rollout.generate import RolloutBatch, SamplingParams, generate
 
 
@@ -90,27 +91,6 @@ def minibatch_seed(run_seed: int, step: int) -> int:
     return run_seed * 7 + step
 
 
-def mark_dropped(batch: RolloutBatch, rewards: torch.Tensor) -> None:
-    """Samples whose reward failed under rewards.on_error=drop (NaN) -> batch.extras["dropped"] [N]."""
-    dropped = ~torch.isfinite(rewards)                                     # [N]
-    if bool(dropped.any()):
-        batch.extras["dropped"] = dropped
-
-
-def loss_mask(batch: RolloutBatch, mask_truncated: bool) -> torch.Tensor:
-    """[N, T] the response tokens that enter the loss: not of a truncated response when
-    ``mask_truncated``, nor of a dropped sample, nor masked by the rollout correction (the
-    response mask itself stays as generated)."""
-    mask = batch.response_mask
-    if mask_truncated:
-        mask = mask * (~batch.truncated).float().unsqueeze(-1)              # [N, T]
-    if "dropped" in batch.extras:
-        mask = mask * (~batch.extras["dropped"]).float().unsqueeze(-1)      # [N, T]
-    if "correction_mask" in batch.extras:  # train.rollout_correction: masked tokens leave it
-        mask = mask * batch.extras["correction_mask"]                       # [N, T]
-    return mask
-
-
 class Shards(Protocol):
     """What collection asks of the ranks (gspo.training.distributed.Dist; one process: trivial)."""
 
@@ -119,20 +99,6 @@ class Shards(Protocol):
     def seed(self, base: int) -> int: ...
     def all(self, flag: bool) -> bool: ...
     def full_params(self) -> ContextManager: ...
-
-
-def generate_group(model, tokenizer, examples, sampling: SamplingParams, *, group_size: int,
-                   seed: int, with_logprobs: bool, capture_routing: bool,
-                   shards: Shards) -> RolloutBatch:
-    """Sample G responses per example; ``capture_routing``: keep the experts each token used."""
-    with moe.capture_routing(model) if capture_routing else contextlib.nullcontext() as cap, \
-            shards.full_params():      # fsdp: gathered, so ranks may generate unequal lengths
-        batch = generate(model, tokenizer, examples, sampling, group_size=group_size,
-                         with_logprobs=with_logprobs, seed=seed,
-                         share_prompts=not capture_routing)  # a capture needs all N rows per forward
-    if capture_routing:
-        batch.extras["routing"] = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
-    return batch
 
 
 def reward_stats(task, batch: RolloutBatch, rewards: torch.Tensor, per_source: dict,
@@ -168,6 +134,10 @@ class Collector:
     shards: Shards
     device: torch.device
     engine: engines.Engine | None = None   # rollout.engine, built on first use (``sampler``)
+    episode: Episode = field(default_factory=SingleTurn)
+    """How the prompts become trajectories through the engine (gspo.rollout.episodes)."""
+    evaluator: engines.Engine | None = None
+    """hf: the engine on the policy itself that evaluation samples through (``eval_engine``)."""
     keep_logprobs: bool = False
     """Ask the sampler for its log-probs even when the config does not (the async worker takes
     them as the behaviour policy's, gspo.training.async_rollout.sampler_is_behaviour)."""
@@ -181,20 +151,25 @@ class Collector:
         """This rank's sampling seed of round ``rnd`` of ``step`` (recorded for audits)."""
         return self.shards.seed(rollout_seed(self.cfg.seed, step, rnd))
 
-    def sampler(self) -> engines.Engine:
+    def sampler(self, version: int | None = None) -> engines.Engine:
         """The rollout.engine, built from the policy on first use (after the cold start), else
-        woken (rollout.engine_sleep) and synced with the policy's current weights (in place; a
-        no-op for hf on the policy itself). Called before each generation, so the weights after
-        every optimizer step, a guard's skip or roll-back, or a resume are the ones sampled from."""
+        woken (rollout.engine_sleep) and handed the policy's current weights as those of
+        ``version`` (in place; nothing to hand to hf sampling on the policy itself). Called before each
+        generation, so the weights after every optimizer step, a guard's skip or roll-back, or a
+        resume are the ones sampled from."""
         if self.engine is None:
             r = self.cfg.rollout
-            self.engine = engines.build(r.engine, self.model, self.tokenizer,
-                                        dtype=None if r.dtype == "model" else DTYPES[r.dtype],
-                                        seed=self.cfg.seed, enable_sleep_mode=r.engine_sleep)
+            settings = {"dtype": None if r.dtype == "model" else DTYPES[r.dtype],
+                        "seed": self.cfg.seed, "enable_sleep_mode": r.engine_sleep,
+                        "share_prompts": self.cfg.moe.routing_replay != "rollout"}  # a capture
+            self.engine = engines.build(r.engine, self.model, self.tokenizer,     # sees all N rows
+                                        **engines.options_for(r.engine, settings))
         else:
             if self.cfg.rollout.engine_sleep:   # woken before its weights are written
                 self.engine.wake_up()
-            self.engine.sync_weights(self.model)
+            if not self.engine.samples_on(self.model):   # (hf on the policy: its own weights)
+                self.engine.update_weights(self.model.state_dict(), version)
+        self.engine.version = version
         return self.engine
 
     def worker_engine(self) -> engines.Engine | None:
@@ -204,7 +179,7 @@ class Collector:
         None: the worker builds its own from its copy of the policy."""
         return self.sampler() if engines.is_shared(self.cfg.rollout.engine) else None
 
-    def rest(self) -> None:
+    def sleep_engine(self) -> None:
         """After a step's generation, before its update: put the engine to sleep
         (rollout.engine_sleep; a no-op for an engine with nothing to free)."""
         if self.engine is not None and self.cfg.rollout.engine_sleep:
@@ -216,35 +191,47 @@ class Collector:
             self.engine.close()
             self.engine = None
 
-    def eval_engine(self) -> engines.Engine | None:
-        """The engine evaluation samples through, synced: the rollout engine when it has its own
-        kernels (vllm: the fast sampler for greedy and pass@k too); None for hf, whose
-        evaluation stays transformers on the policy in its own dtype."""
+    def eval_engine(self) -> engines.Engine:
+        """The engine evaluation samples through, with the policy's current weights: the rollout
+        engine when it has its own kernels (vllm: the fast sampler for greedy and pass@k too);
+        for hf an engine on the policy itself, so that evaluation stays transformers on the
+        policy in its own dtype whatever rollout.dtype is."""
         engine = self.sampler()
-        return engine if engine.module is None else None
+        if engine.module is None:
+            return engine
+        if self.evaluator is None:
+            self.evaluator = engines.build("hf", self.model, self.tokenizer)
+        return self.evaluator
 
-    def generate(self, examples, seed: int) -> RolloutBatch:
-        cfg, engine = self.cfg, self.sampler()
+    def generate(self, examples, seed: int, version: int | None = None) -> RolloutBatch:
+        """G responses to each example through the engine (the ``episode``); under
+        moe.routing_replay=rollout the experts the sampler routed to are kept (``batch.routing``)."""
+        cfg, engine = self.cfg, self.sampler(version)
         with_logprobs = (cfg.train.old_logprobs == "rollout" or cfg.train.log_rollout_logprobs
                          or cfg.train.rollout_correction.mode != "none" or engine.always_logprobs
                          or self.keep_logprobs)
-        if engine.module is None:   # an engine with its own kernels (vllm): token ids in and out
-            return engines.generate_batch(engine, self.tokenizer, examples, self.sampling,
-                                          group_size=cfg.rollout.group_size, seed=seed,
-                                          with_logprobs=with_logprobs)
-        return generate_group(engine.module, self.tokenizer, examples, self.sampling,
-                              group_size=cfg.rollout.group_size, seed=seed,
-                              with_logprobs=with_logprobs,
-                              capture_routing=cfg.moe.routing_replay == "rollout", shards=self.shards)
+        capture = cfg.moe.routing_replay == "rollout"         # (an engine with a module: hf)
+        with moe.capture_routing(engine.module) if capture else contextlib.nullcontext() as cap, \
+                self.shards.full_params():      # fsdp: gathered, so ranks may generate unequal lengths
+            batch = self.episode(engine, self.tokenizer, examples, self.sampling,
+                                 group_size=cfg.rollout.group_size, seed=seed,
+                                 with_logprobs=with_logprobs)
+        if capture:
+            batch.routing = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
+        return batch
 
-    def collect(self, step: int) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
+    def collect(self, step: int, version: int | None = None
+                ) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
         """Generate and score P groups; with dynamic sampling, drop zero-variance groups and refill.
-        The engine sleeps once the step's generation is done (``rest``)."""
-        collected = self.collect_groups(step)
-        self.rest()
-        return collected
+        The engine sleeps once the step's generation is done (``sleep_engine``)."""
+        batch, rewards, metrics = self.collect_groups(step, version)
+        self.sleep_engine()
+        if batch is not None:
+            batch.version = version
+        return batch, rewards, metrics
 
-    def collect_groups(self, step: int) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
+    def collect_groups(self, step: int, version: int | None = None
+                       ) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
         """``collect`` without the engine's sleep."""
         cfg, G, P = self.cfg, self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step
         rounds = 1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)
@@ -253,7 +240,7 @@ class Collector:
         for rnd in range(rounds):
             examples = [self.train_set[i] for i in self.shards.shard(self.cursor.take(P))]
             t0 = time.perf_counter()
-            batch = self.generate(examples, seed=self.seed(step, rnd))
+            batch = self.generate(examples, seed=self.seed(step, rnd), version=version)
             extra["time/generate_s"] = extra.get("time/generate_s", 0.0) + time.perf_counter() - t0
             t0 = time.perf_counter()
             result = self.rewards(batch.completions, batch.examples)
@@ -306,5 +293,5 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int, limit: int) -> Roll
         examples=sum((b.examples for b in batches), [])[:limit],
         rollout_logp=None if batches[0].rollout_logp is None
         else stack(lambda b: b.rollout_logp, 0.0, response_only=True),
-        extras={key: stack(lambda b, k=key: b.extras[k], 0) for key in batches[0].extras},
+        routing=None if batches[0].routing is None else stack(lambda b: b.routing, 0),
     )

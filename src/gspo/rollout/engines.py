@@ -1,15 +1,21 @@
 """Generation engines: one interface over the samplers a rollout can use (docs/engines.md).
 
 An engine is built once from the policy, samples G responses to each prompt given as token ids
-(never re-tokenised), and returns ``rollout.Samples``: response ids, the mask up to and including
-EOS, truncation flags and the sampler's own log-probs at the sampling temperature. Between RL
-steps ``sync_weights(policy)`` copies the trained weights into it, in place.
+(never re-tokenised) with sampling parameters and a seed, and returns ``rollout.Samples``:
+response ids, the mask up to and including EOS, truncation flags and the sampler's own log-probs
+at the sampling temperature. Between RL steps ``update_weights(weights, version)`` hands it the
+trained weights as named tensors (the policy's ``state_dict`` names) and the version they are:
+nothing of the trainer's module crosses, so a sampler in another process or on another machine
+can implement the same interface. ``sleep`` / ``wake_up`` free and restore its memory. An
+engine's constructor takes only the options it honours (``build`` refuses any other).
 
-* ``hf``: transformers ``generate`` (``rollout.sample``) on the policy itself, or on a copy of it in
-  another ``dtype`` (e.g. bfloat16 sampling for a float32 policy), refreshed by ``sync_weights``.
+* ``hf``: transformers ``generate`` (``rollout.sample``) on the policy itself (``samples_on``: its
+  weights are the policy's, nothing to update), or on a copy of it in another ``dtype`` (e.g.
+  bfloat16 sampling for a float32 policy), updated in place.
 * ``vllm``: a vLLM engine in this process (colocated), built from the policy saved once to a
-  temporary directory; ``sync_weights`` pushes the weights through the model runner's
-  ``reload_weights`` (no disk round trip) and drops the prefix cache. Optional dependency.
+  temporary directory; ``update_weights`` pushes the weights, in the checkpoint's layout,
+  through the model runner's ``reload_weights`` (no disk round trip) and drops the prefix cache.
+  Optional dependency.
 
 Engines are registered by name (``available()``, ``build(name, ...)``), never chosen by an ``if``.
 This module samples; it does not score, train or read configs.
@@ -19,10 +25,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -41,7 +48,7 @@ from gspo.rollout.generate import (RolloutBatch, Samples, SamplingParams, left_p
 from gspo.tasks import Example
 
 __all__ = ["Engine", "EngineUnavailable", "HFEngine", "VLLMEngine", "available", "build", "check",
-           "generate_batch", "is_shared", "policy_weights"]
+           "generate_batch", "is_shared", "options_for", "policy_weights"]
 
 
 class EngineUnavailable(UserError):
@@ -49,7 +56,7 @@ class EngineUnavailable(UserError):
 
 
 class Engine(ABC):
-    """A sampler built from a policy: ``generate`` and ``sync_weights``; ``sleep`` / ``wake_up``
+    """A sampler built from a policy: ``generate`` and ``update_weights``; ``sleep`` / ``wake_up``
     free and restore its memory between generation and training (no-ops where nothing is held)."""
 
     module: torch.nn.Module | None = None
@@ -60,7 +67,7 @@ class Engine(ABC):
     them (vllm: mismatch/* every step); hf computes them only when asked."""
     shared: bool = False
     """One engine serves the trainer and a thread worker of rollout.async in turn (each side
-    syncs it to its own policy before every generation, under the worker's lock): vllm, whose
+    updates it to its own policy's weights before every generation, under the worker's lock): vllm, whose
     engine is built once per process. False: the worker builds its own (hf: on its policy copy)."""
     own_kernels: bool = False
     """Samples with its own kernels from its own copy of the weights (vllm): it returns no expert
@@ -76,9 +83,23 @@ class Engine(ABC):
                  seed: int | None = None, with_logprobs: bool = True) -> Samples:
         """G = ``group_size`` responses to each prompt, rows grouped by prompt (N = P·G)."""
 
+    version: int | None = None
+    """The weights version (RL steps done) it samples from, as its last update said."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where its samples' tensors are (the prompts of a batch are laid out there)."""
+        return torch.device("cpu")
+
+    def samples_on(self, module: torch.nn.Module) -> bool:
+        """Whether it samples on ``module`` itself (hf on the policy): its weights are then always
+        the module's, and there is nothing to update."""
+        return self.module is module
+
     @abstractmethod
-    def sync_weights(self, model: PreTrainedModel) -> None:
-        """Make the engine sample from ``model``'s current weights."""
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int | None) -> None:
+        """Sample from ``weights`` (name -> tensor, the policy's ``state_dict`` names) from now
+        on, the weights of ``version`` (None: not a training version, e.g. a test's)."""
 
     def sleep(self) -> None:
         """Release what the engine holds between generations (GPU memory); default: nothing."""
@@ -132,8 +153,16 @@ def is_shared(name: str) -> bool:
     return _REGISTRY.get(name).shared
 
 
+def options_for(name: str, settings: dict) -> dict:
+    """The ``settings`` (option -> value) that engine ``name``'s constructor takes: a run offers
+    each engine only what it honours (hf: no seed of its own, nothing to put to sleep)."""
+    takes = inspect.signature(_REGISTRY.get(name).__init__).parameters
+    return {k: v for k, v in settings.items() if k in takes}
+
+
 def build(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **options) -> Engine:
-    """The engine ``name`` built from ``model`` (checked first); ``options`` go to its constructor."""
+    """The engine ``name`` built from ``model`` (checked first); ``options`` go to its
+    constructor, which refuses any it does not take (TypeError)."""
     check(name, getattr(model.config, "model_type", None))
     return _REGISTRY.get(name)(model, tokenizer, **options)
 
@@ -145,18 +174,23 @@ def generate_batch(engine: Engine, tokenizer: PreTrainedTokenizerBase, examples:
     trainer scores them) to the engine, its samples to a ``RolloutBatch`` (N = P·G rows)."""
     prompt_ids = [tokenizer(ex.prompt)["input_ids"] for ex in examples]
     samples = engine.generate(prompt_ids, group_size, params, seed=seed, with_logprobs=with_logprobs)
-    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)                    # [P, Lp]
+    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, engine.device)     # [P, Lp]
     return rollout_batch(tokenizer, ids, mask, samples, examples, group_size)
 
 
-def policy_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every weight as a checkpoint stores it (transformers' in-memory layouts
-    reverted, e.g. a MoE's fused experts back to one tensor per expert, as ``save_pretrained``
-    writes them), ``lm_head.weight`` included even when the embeddings are tied (an engine that
-    unties them would otherwise keep a stale head)."""
-    state = revert_weight_conversion(model, dict(model.state_dict()))
-    if "lm_head.weight" not in state and model.get_output_embeddings() is not None:
-        state["lm_head.weight"] = model.get_output_embeddings().weight
+def policy_weights(model: PreTrainedModel, weights: Mapping[str, torch.Tensor] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight of ``weights`` (a ``state_dict`` of ``model``'s
+    architecture; None: ``model``'s own) as a checkpoint stores it (transformers' in-memory
+    layouts reverted, e.g. a MoE's fused experts back to one tensor per expert, as
+    ``save_pretrained`` writes them), ``lm_head.weight`` included even when the embeddings are
+    tied (an engine that unties them would otherwise keep a stale head)."""
+    weights = model.state_dict() if weights is None else weights
+    state = revert_weight_conversion(model, dict(weights))
+    head = model.get_output_embeddings()
+    if "lm_head.weight" not in state and head is not None:
+        tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight]
+        state["lm_head.weight"] = next((weights[n] for n in tied if n in weights), head.weight)
     for name, tensor in state.items():
         yield name, tensor.detach()
 
@@ -166,28 +200,30 @@ def policy_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]
 @register("hf")
 class HFEngine(Engine):
     """transformers ``generate`` (``rollout.sample``) on the policy, or on a copy in ``dtype``.
-    ``seed`` and ``enable_sleep_mode`` are accepted for a common constructor and unused: each
-    ``generate`` is seeded, and the policy's memory is the trainer's (nothing to free)."""
+    It has no seed of its own (each ``generate`` seeds torch's generator with its ``seed``) and no
+    sleep mode (the policy's memory is the trainer's): it takes neither option.
+    ``share_prompts=False``: every forward sees all N rows (MoE routing captured at generation)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-                 dtype: torch.dtype | None = None, share_prompts: bool = True, seed: int = 0,
-                 enable_sleep_mode: bool = False):
+                 dtype: torch.dtype | None = None, share_prompts: bool = True):
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.share_prompts = share_prompts
         own = dtype is not None and dtype != next(model.parameters()).dtype
         self.model = copy.deepcopy(model).to(dtype).requires_grad_(False) if own else model
         self.owns_copy = own
-        """True when ``model`` is a copy (another dtype) that ``sync_weights`` must refresh."""
+        """True when ``model`` is a copy (another dtype) that ``update_weights`` must refresh."""
 
     @property
     def module(self) -> PreTrainedModel:
         return self.model
 
-    def sync_weights(self, model: PreTrainedModel) -> None:
-        if self.owns_copy:
-            self.model.load_state_dict(model.state_dict())     # cast into the copy's dtype
-        else:
-            self.model = model
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int | None) -> None:
+        self.model.load_state_dict(weights)          # in place (a copy: cast to its dtype)
+        self.version = version
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, params: SamplingParams,
                  seed: int | None = None, with_logprobs: bool = True) -> Samples:
@@ -240,7 +276,7 @@ VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 @register("vllm", requires="vllm")
 class VLLMEngine(Engine):
-    """vLLM in this process, built from the policy's weights; in-place weight sync.
+    """vLLM in this process, built from the policy's weights; in-place weight updates.
 
     ``dtype``: the engine's weights (default: the policy's). ``seed``: the engine's seed; each
     ``generate`` seeds prompt p's G samples with ``seed + p`` (``generate``'s seed), so a batch is
@@ -250,7 +286,7 @@ class VLLMEngine(Engine):
 
     refuses: dict[str, str] = {}
     """config.model_type -> why this engine cannot serve it (each one shown by a test); none now:
-    the MoE experts' stale reload on a CPU is repaired by ``sync_weights``."""
+    the MoE experts' stale reload on a CPU is repaired by ``update_weights``."""
     always_logprobs = True
     shared = True
     own_kernels = True
@@ -283,12 +319,17 @@ class VLLMEngine(Engine):
         self.on_gpu = on_gpu
         self.can_sleep = on_gpu and enable_sleep_mode
         self.sleeping = False
+        self.architecture = model
+        """What ``update_weights`` reads the in-memory -> checkpoint layout from (a remote engine
+        would hold its own copy of the architecture)."""
 
-    def sync_weights(self, model: PreTrainedModel) -> None:
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int | None) -> None:
         if not self.on_gpu:   # CPU MoE: prepack the reloaded experts as a first load does
             self.llm.collective_rpc(forget_moe_kernels)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+        self.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": policy_weights(self.architecture, weights)})
         self.llm.reset_prefix_cache()        # cached prompt KV was computed with the old weights
+        self.version = version
 
     def close(self) -> None:
         # before the process exits: vLLM's own clean-up at exit would find the (one-process)

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.core.logprobs import position_ids_from_mask
+from gspo.core.trajectory import Trajectories
 from gspo.tasks import Example
 
 
@@ -35,35 +36,18 @@ class SamplingParams:
 
 
 @dataclass
-class RolloutBatch:
-    input_ids: torch.Tensor        # [N, L] prompt (left-padded) + response (right-padded)
-    attention_mask: torch.Tensor   # [N, L]
-    response_mask: torch.Tensor    # [N, T] float, 1 up to and including EOS
-    truncated: torch.Tensor        # [N] bool, no EOS within max_new_tokens
+class RolloutBatch(Trajectories):
+    """A ``Trajectories`` batch (gspo.core.trajectory: the tensors) with its per-row text beside
+    it: the decoded responses, the prompts' examples and, once scored, their correctness."""
     completions: list[str]         # N decoded responses (without EOS)
     examples: list[Example]        # N, the prompt's example repeated G times
-    rollout_logp: torch.Tensor | None = None  # [N, T] generator log-probs at the sampling temperature
-    extras: dict = field(default_factory=dict)
-    correct: torch.Tensor | None = None  # [N] bool on CPU, task.is_correct once scored (not kept by select)
+    correct: torch.Tensor | None = field(default=None, kw_only=True)
+    """[N] bool on CPU, task.is_correct once scored (not kept by ``select``)."""
 
-    @property
-    def response_ids(self) -> torch.Tensor:
-        return self.input_ids[:, -self.response_mask.shape[1]:]  # [N, T]
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.response_mask.sum(-1)  # [N]
-
-    def select(self, index: torch.Tensor) -> "RolloutBatch":
-        """Rows ``index`` (a LongTensor) of every per-sequence field."""
+    def rows(self, index: torch.Tensor) -> dict:
         idx = index.tolist()
-        return RolloutBatch(
-            input_ids=self.input_ids[index], attention_mask=self.attention_mask[index],
-            response_mask=self.response_mask[index], truncated=self.truncated[index],
-            completions=[self.completions[i] for i in idx], examples=[self.examples[i] for i in idx],
-            rollout_logp=None if self.rollout_logp is None else self.rollout_logp[index],
-            extras={k: v[index] for k, v in self.extras.items()},
-        )
+        return {**super().rows(index), "completions": [self.completions[i] for i in idx],
+                "examples": [self.examples[i] for i in idx], "correct": None}
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,11 +39,12 @@ from gspo.config import BASELINES, objective_names
 from gspo.core import advantages, objectives
 from gspo.core.advantages import GAE_FORMULA, best_worst_pairs, formula, gae, whiten
 from gspo.core.objectives import dpo_loss, sequence_logprobs
+from gspo.core.trajectory import scored_mask
 from gspo.core.value import Critic, explained_variance, value_loss
-from gspo.rollout.collect import DataCursor, loss_mask, minibatch_seed, split_minibatches
+from gspo.rollout.collect import DataCursor, minibatch_seed, split_minibatches
 from gspo.rollout.generate import RolloutBatch, demonstration_batch
 from gspo.training.cold_start import sft_loss
-from gspo.training.optim import build_optimizer, build_scheduler, clipped_step
+from gspo.training.optim import MinibatchSteps, build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
 
 __all__ = ["Algorithm", "GroupRelative", "OnlineDPO", "PPO", "PolicyParts", "SFTBaseline", "get",
@@ -88,7 +89,7 @@ class Algorithm(Protocol):
         """Once the policy, optimizer and scheduler exist (before a resume restores them)."""
 
     def advantages(self, batch: RolloutBatch, rewards: Tensor) -> Tensor:
-        """Advantages [N] or [N, T] of a scored rollout batch (may mark dropped rows in extras);
+        """Advantages [N] or [N, T] of a scored rollout batch (its ``dropped`` rows marked);
         only called when ``objective`` is not None."""
 
     def update(self, batch: RolloutBatch, rewards: Tensor, step: int) -> dict[str, float]:
@@ -201,7 +202,7 @@ class PPO:
         """GAE over the loss mask, the reward on each response's last token, whitened: [N, T]."""
         passes, p = self.passes, self.p
         dropped = ~torch.isfinite(rewards)                      # [N] rewards.on_error=drop
-        mask = loss_mask(batch, self.cfg.train.mask_truncated)                        # [N, T]
+        mask = scored_mask(batch, self.cfg.train.mask_truncated)                      # [N, T]
         r = torch.where(dropped, torch.zeros_like(rewards), rewards)                  # [N]
         rewards_tok = terminal_rewards(r, mask)                                       # [N, T]
         stats = {}
@@ -227,23 +228,20 @@ class PPO:
         cfg, pend = self.cfg, self._pending
         values, returns, mask = pend["values"], pend["returns"], pend["mask"]
         gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
-        collected: dict[str, list[Tensor]] = {k: [v] for k, v in pend["stats"].items()}
+        steps = MinibatchSteps(self.optimizer, self.scheduler, cfg.train.grad_clip)
+        steps.add(pend["stats"])
         self.critic.train()
         for idx in split_minibatches(len(returns), cfg.train.minibatches, gen, cfg.minibatch_unit):
             idx = idx.to(values.device)
             mb = batch.select(idx)
             v = self.critic(mb.input_ids, mb.attention_mask, mask[idx])               # [m, T]
             loss, s = value_loss(v, values[idx], returns[idx], mask[idx], clip=self.p.value_clip)
-            norm = clipped_step(loss, self.critic.parameters(), self.optimizer, self.scheduler,
-                                cfg.train.grad_clip)
-            for k, x in {"value/loss": loss.detach(), "value/clip_frac": s["clip_frac"],
-                         "value/grad_norm": norm.detach()}.items():
-                collected.setdefault(k, []).append(x)
+            norm = steps.step(loss, self.critic.parameters())
+            steps.add({"value/loss": loss.detach(), "value/clip_frac": s["clip_frac"],
+                       "value/grad_norm": norm.detach()})
         self._pending = {}
-        keys = list(collected)
-        numbers = torch.stack([torch.stack([x.float() for x in collected[k]]).mean()
-                               for k in keys]).tolist()
-        return {**dict(zip(keys, numbers)), "value/lr": self.scheduler.get_last_lr()[0]}
+        return {**steps.means(), "value/lr": self.scheduler.get_last_lr()[0],
+                "value/skipped_nonfinite": steps.skipped}
 
     def state_dict(self) -> dict:
         return {}
@@ -311,21 +309,18 @@ class SFTBaseline:
         rl_tokens = int(batch.response_mask.sum())
         picked = self.draw(rl_tokens)
         M = min(cfg.train.minibatches, len(picked))
-        losses, norms, tokens = [], [], 0
+        steps, tokens = MinibatchSteps(t.optimizer, t.scheduler, cfg.train.grad_clip), 0
         t.model.train()
         for part in torch.tensor(picked).tensor_split(M):
             demos = demonstration_batch(t.tokenizer, [t.train_set[i] for i in part.tolist()],
                                         t.device, max_new_tokens=cfg.rollout.max_new_tokens)
             loss = sft_loss(t.model, demos, chunk_size=cfg.train.logprob_chunk)
-            norm = clipped_step(loss, t.model.parameters(), t.optimizer, t.scheduler,
-                                cfg.train.grad_clip)
-            losses.append(loss.detach())
-            norms.append(norm.detach())
+            norm = steps.step(loss, t.model.parameters())
+            steps.add({"sft/loss": loss.detach(), "optim/grad_norm": norm.detach()})
             tokens += int(demos.response_mask.sum())
-        loss, norm = torch.stack([torch.stack(losses).mean(), torch.stack(norms).mean()]).tolist()
-        return {"sft/loss": loss, "sft/tokens": tokens, "sft/rl_tokens": rl_tokens,
-                "sft/demonstrations": len(picked), "optim/grad_norm": norm,
-                "optim/lr": t.scheduler.get_last_lr()[0]}
+        return {**steps.means(), "sft/tokens": tokens, "sft/rl_tokens": rl_tokens,
+                "sft/demonstrations": len(picked), "optim/lr": t.scheduler.get_last_lr()[0],
+                "optim/skipped_nonfinite": steps.skipped}
 
     def state_dict(self) -> dict:
         return {"demo_cursor": self.cursor.state()}
@@ -366,7 +361,7 @@ class OnlineDPO(Stateless):
 
     def pairs(self, batch: RolloutBatch, rewards: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(winners [K], losers [K]) row indices on the host, and the loss mask [N, T]."""
-        mask = loss_mask(batch, self.cfg.train.mask_truncated)                        # [N, T]
+        mask = scored_mask(batch, self.cfg.train.mask_truncated)                      # [N, T]
         usable = (mask > 0).any(-1) & torch.isfinite(rewards)                         # [N]
         scored = torch.where(usable, rewards.float(), torch.full_like(rewards.float(), float("nan")))
         win, lose = best_worst_pairs(scored.cpu(), self.cfg.rollout.group_size)
@@ -386,7 +381,7 @@ class OnlineDPO(Stateless):
         ref_w, ref_l = ref.chunk(2)                                                   # [K] each
         gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
         order = torch.randperm(len(win), generator=gen)
-        collected: dict[str, list[Tensor]] = {}
+        steps = MinibatchSteps(t.optimizer, t.scheduler, cfg.train.grad_clip)
         t.model.train()
         for part in order.tensor_split(min(cfg.train.minibatches, len(win))):
             sel = torch.cat([win[part], lose[part]])                                  # [2k] host
@@ -394,15 +389,11 @@ class OnlineDPO(Stateless):
             seq_w, seq_l = sequence_logprobs(logp, mask[sel.to(mask.device)]).chunk(2)  # [k] each
             part_d = part.to(ref.device)
             loss, stats = dpo_loss(seq_w, seq_l, ref_w[part_d], ref_l[part_d], beta=cfg.dpo.beta)
-            norm = clipped_step(loss, t.model.parameters(), t.optimizer, t.scheduler,
-                                cfg.train.grad_clip)
-            logged = {"dpo/loss": loss.detach(), "optim/grad_norm": norm.detach(),
-                      **{f"dpo/{name}": x for name, x in stats.items()}}
-            for key, x in logged.items():
-                collected.setdefault(key, []).append(x.float())
-        keys = list(collected)
-        numbers = torch.stack([torch.stack(collected[k]).mean() for k in keys]).tolist()
-        return {**out, **dict(zip(keys, numbers)), "optim/lr": t.scheduler.get_last_lr()[0]}
+            norm = steps.step(loss, t.model.parameters())
+            steps.add({"dpo/loss": loss.detach(), "optim/grad_norm": norm.detach(),
+                       **{f"dpo/{name}": x for name, x in stats.items()}})
+        return {**out, **steps.means(), "optim/lr": t.scheduler.get_last_lr()[0],
+                "optim/skipped_nonfinite": steps.skipped}
 
 
 

@@ -1,41 +1,18 @@
-"""Where the RL loop gets the batch of each step: in the loop (synchronous) or ahead of it.
+"""The asynchronous rollout worker: batches k+1.. made ahead while the trainer trains on batch k.
 
-``rollout.async: false`` (``SyncSource``): the batch of step k is ``collector.collect(k)``, as it
-always was. ``rollout.async: true`` (``AsyncSource``): a worker with its own copy of the policy
-generates, scores and (when the batch is stale) takes the old log-probs of batches k+1.. while
-the trainer trains on batch k. The worker is a child process (``rollout.async_worker: process``,
-the default: ``ProcessWorker``) or a thread of this process (``thread``: ``ThreadWorker``); both
-run the same loop, ``make_batches``. The worker samples through its own engine built on its
-policy (hf), or, for an engine that is ``shared`` (vllm: one per process), a thread worker through
-the trainer's, synced to the worker's weights before each generation (the process worker builds
-its own in its process).
-
-It is handed the ``Collector`` (gspo.rollout.collect), the policy's ``LogprobPasses`` and whether
-the update skips rows without signal, never the trainer. The hooks, all the loop knows of it::
-
-    source = build_source(cfg, collector, passes, skip_rows=..., log=...)   # set-up
-    source.load(folder)                      # restoring a checkpoint folder
-    batch, rewards, metrics = source.collect(k)  # step k: what collector.collect(k) returns
-    source.publish(k + 1)                    # after step k's update and the guard's verdict
-    source.save(folder, done)                # inside a checkpoint of ``done`` steps
-    with source.rng_lock: evaluate(...)      # anything else that draws from torch's global RNG
-    source.settle()                          # block until the worker waits for new weights
-    source.close()                           # at the end, however it ends: stop and join
-
-**Staleness, fixed.** The batch of step k is always sampled by the weights of version
-``max(0, k - s)`` (version j = the weights after j RL steps, s = ``rollout.max_staleness``): the
-worker waits for that version, never takes a fresher one. So a run does not depend on timing
-(same seed, same run, as the synchronous loop), a resume can regenerate the batches in flight
-exactly, and no batch is ever more than s steps old: ``async/dropped_batches`` counts batches
-discarded for staleness and is 0 by construction. With s = 0 the worker samples batch k after
-step k-1, in lockstep: the synchronous run, op for op.
+Started by the batch source (gspo.training.batch_source.AsyncSource: the version arithmetic), a
+worker with its own copy of the policy generates, scores and, for a stale batch, takes log-probs
+of the batches to come. It is a child process (``rollout.async_worker: process``: ``ProcessWorker``)
+or a thread (``thread``: ``ThreadWorker``); both run ``make_batches`` and take weights through
+``publish(weights, version)``. It samples through its own engine, or a thread worker through the
+trainer's when the engine is ``shared`` (vllm: one per process).
 
 **π_old of a stale batch** (k - v > 0; docs/math.md, "Asynchronous rollouts"). When k = v the
 trainer computes π_old itself, exactly as in the synchronous loop. Otherwise, by
 ``rollout.async_ratio`` (``auto``, the default, resolves to ``decoupled`` when a batch can be
 stale and π_old is recomputed, gspo.config):
 
-* ``behaviour``: π_old = π_v. The worker hands log π_v over in ``batch.extras["behaviour_logp"]``:
+* ``behaviour``: π_old = π_v. The worker hands log π_v over in ``batch.behaviour_logp``:
   the sampler's own log-probs when the sampler is transformers on its float32 policy
   (``sampler_is_behaviour``), else a log-prob pass over the rows that can carry a gradient
   (``behaviour_rows``). The trainer does not reuse its first minibatch's forward as π_old (that
@@ -46,7 +23,7 @@ stale and π_old is recomputed, gspo.config):
   under version k as soon as it has it, which is when step k starts, and hands over as a
   ``Proximal`` (``make_batches`` keeps each stale batch until then, and runs s iterations past
   the last step for the last batches'). The trainer takes it before minibatch 2
-  (``AsyncSource.proximal``, gspo.training.proximal).
+  (``AsyncSource.proximal``; the ``proximal`` strategy of gspo.training.old_policy).
 
 **The process worker** is started once, at the first batch, from a fork server that has already
 imported this module (start-up in a fraction of a second after the first), and is handed a copy of
@@ -79,40 +56,23 @@ import multiprocessing
 import os
 import pickle
 import queue
-import re
 import signal
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors.torch import load as safetensors_weights
-from safetensors.torch import load_file, save_file
 from safetensors.torch import save as safetensors_bytes
 
-from gspo.core import objectives
 from gspo.errors import UserError
-from gspo.models.presets import dropout_rates
 from gspo.rewards.isolation import isolated_rewards
 from gspo.rollout.collect import Collector, minibatch_seed, split_minibatches
 from gspo.training.passes import LogprobPasses
 
-BEHAVIOUR_FILE = "behaviour-{version}.safetensors"
-"""Checkpoint file of the weights of ``version`` that a batch still in flight was sampled by."""
-
 DONE = "done"
 """What a worker puts on its queue last, however its loop ended."""
-
-
-def build_source(cfg, collector: Collector, passes: LogprobPasses, *, skip_rows: bool,
-                 log=print):
-    """The loop's batch source: ``AsyncSource`` under rollout.async, else ``SyncSource``.
-    ``skip_rows``: the update leaves rows without signal out (their π_old is never read)."""
-    if cfg.rollout.async_:
-        return AsyncSource(cfg, collector, passes, skip_rows=skip_rows, log=log)
-    return SyncSource(collector)
 
 
 def behaviour_version(step: int, max_staleness: int) -> int:
@@ -125,56 +85,6 @@ def behaviour_rows(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     unequal): a superset of the rows a group-relative advantage can make non-zero. rewards [N]."""
     std = rewards.detach().cpu().view(-1, group_size).std(-1)                # [P]
     return (~(std == 0)).repeat_interleave(group_size).nonzero().squeeze(-1)  # [n]
-
-
-def staleness_hint(cfg) -> str | None:
-    """One line for a run that clips against a stale behaviour policy (measured to train more
-    slowly than the synchronous run, docs/performance.md); None when it does not apply."""
-    if (not cfg.rollout.async_ or cfg.rollout.max_staleness == 0
-            or cfg.rollout.async_ratio != "behaviour" or cfg.train.old_logprobs != "recompute"):
-        return None
-    return (f"rollout.async: {cfg.objective.name} clips its ratio against the policy that sampled "
-            f"the batch, up to {cfg.rollout.max_staleness} step(s) old; on the default job at s=1 "
-            "that trained gspo and grpo more slowly than the synchronous run and "
-            "rollout.async_ratio=decoupled (the default, auto) did not (docs/performance.md)")
-
-
-def snapshot(model: torch.nn.Module, device: str | None = None) -> dict[str, torch.Tensor]:
-    """A copy of the weights (one tensor per name, no shared storage: safetensors can write it),
-    on ``device`` (None: where they are)."""
-    return {k: v.detach().to(device, copy=True) for k, v in model.state_dict().items()}
-
-
-class SyncSource:
-    """The batch of step k is made in the loop, by ``collector.collect(k)``."""
-
-    def __init__(self, collector: Collector):
-        self.collector = collector
-        self.rng_lock = contextlib.nullcontext()
-
-    def collect(self, step: int):
-        return self.collector.collect(step)
-
-    def proximal(self, step: int) -> None:
-        return None                             # the trainer computes π_old
-
-    def seed(self, step: int, rnd: int = 0) -> int:
-        return self.collector.seed(step, rnd)
-
-    def publish(self, version: int) -> None:
-        pass
-
-    def save(self, folder: Path, done: int) -> None:
-        pass
-
-    def load(self, folder: Path) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 # ---------------------------------------------------------------------------- the worker's loop
@@ -205,7 +115,7 @@ def make_batches(cfg, worker: Collector, passes: LogprobPasses, step: int, *, sk
         if k >= cfg.train.steps:                   # (the last s steps' π_prox only)
             continue
         with rng_lock:
-            collected = worker.collect(k)
+            collected = worker.collect(k, version=v)
         t0 = time.perf_counter()
         if k > v:
             behaviour_logp(cfg, skip_rows, passes, *collected[:2],
@@ -267,11 +177,11 @@ def behaviour_logp(cfg, skip_rows: bool, passes: LogprobPasses, batch, rewards, 
     if cfg.rollout.async_ratio == "decoupled":  # the sampler's log-probs (the correction asks
         return       # for them) are π_v's; the trainer recomputes π_old = π_prox itself
     if from_sampler:
-        batch.extras["behaviour_logp"], batch.rollout_logp = batch.rollout_logp, None  # [N, T]
+        batch.behaviour_logp, batch.rollout_logp = batch.rollout_logp, None  # [N, T]
         return
     every_row = not skip_rows or batch.rollout_logp is not None   # mismatch reads them all
     rows = None if every_row else behaviour_rows(rewards, cfg.rollout.group_size)
-    batch.extras["behaviour_logp"] = passes.old_logprobs(batch, rows)            # [N, T]
+    batch.behaviour_logp = passes.old_logprobs(batch, rows)                     # [N, T]
 
 
 SAMPLER_LOGPROBS_BYTES = 256 * 2**20
@@ -293,163 +203,6 @@ def sampler_is_behaviour(cfg, worker: Collector, passes: LogprobPasses) -> bool:
         return False
     vocab = worker.model.config.vocab_size
     return cfg.batch_size * r.max_new_tokens * vocab * 4 <= SAMPLER_LOGPROBS_BYTES
-
-
-# ---------------------------------------------------------------------------- the trainer's side
-class AsyncSource:
-    """Batches made ahead by a worker with its own copy of the policy (module docstring)."""
-
-    def __init__(self, cfg, collector: Collector, passes: LogprobPasses, *, skip_rows: bool,
-                 log=print):
-        rates = dropout_rates(collector.model)
-        if rates:
-            name, p = next(iter(rates.items()))
-            raise UserError(f"rollout.async=true cannot train a policy with dropout ({name}={p}): "
-                            "its masks come from torch's global RNG, which no batch seeds under "
-                            "rollout.async (and a thread worker samples from), so runs would not "
-                            "repeat; set it to 0 or rollout.async=false")
-        self.cfg, self.collector, self.passes = cfg, collector, passes
-        self.skip_rows, self.log = skip_rows, log
-        if (hint := staleness_hint(cfg)) is not None:
-            log(hint)
-        self.s = cfg.rollout.max_staleness
-        self.worker: ThreadWorker | ProcessWorker = WORKERS[cfg.rollout.async_worker]()
-        self.rng_lock = self.worker.rng_lock
-        self._weights: dict[int, dict[str, torch.Tensor]] = {}   # version -> weights (checkpoints)
-        self._received: list = []              # items the worker made that collect has not taken
-        self._done = False                     # the worker has said DONE (or failed)
-        self._started = False
-        self._stale = False                    # the batch collect handed over last is stale
-        self.dropped = 0
-
-    def seed(self, step: int, rnd: int = 0) -> int:
-        return self.collector.seed(step, rnd)
-
-    def collect(self, step: int):
-        """The batch of ``step`` (blocks until the worker has it); the trainer's data cursor is
-        moved past it, so a checkpoint after this step resumes at the next batch."""
-        if not self._started:
-            self._start(step)
-        t0 = time.perf_counter()
-        item = self._next(lambda x: not isinstance(x, Proximal), f"the batch of step {step}")
-        waited = time.perf_counter() - t0
-        made_for, version, (batch, rewards, metrics), cursor, worker = item
-        assert made_for == step, f"async rollouts: batch of step {made_for} offered at step {step}"
-        self._stale = step > version and batch is not None
-        self.collector.cursor.load(cursor)
-        metrics = {**metrics,
-                   "async/worker_generate_s": metrics.pop("time/generate_s", 0.0),
-                   "async/worker_reward_s": metrics.pop("time/reward_s", 0.0),
-                   **worker,
-                   "async/staleness": float(step - version), "async/wait_s/trainer": waited,
-                   "async/dropped_batches": float(self.dropped),
-                   # the step's own breakdown: generation is what the trainer waited for
-                   "time/generate_s": waited, "time/reward_s": 0.0}
-        return batch, rewards, metrics
-
-    def proximal(self, step: int) -> Callable[[], Proximal] | None:
-        """Under the decoupled ratio, for the stale batch of ``step`` just collected: a call that
-        returns the worker's ``Proximal`` of it (waiting if need be; its wait is in
-        ``seconds``), made beside the update's first minibatch. None: the trainer computes π_old."""
-        if not (self._stale and proximal_from_worker(self.cfg)):
-            return None
-        return lambda: self._take_proximal(step)
-
-    def _take_proximal(self, step: int) -> Proximal:
-        t0 = time.perf_counter()
-        item = self._next(lambda x: isinstance(x, Proximal) and x.step == step,
-                          f"the proximal log-probs of step {step}")
-        item.seconds["async/wait_s/proximal"] = time.perf_counter() - t0
-        return item
-
-    def _next(self, wanted: Callable, what: str):
-        """The first item the worker made that is ``wanted`` (those before it are kept, in order,
-        for later calls); raises the worker's error, or a RuntimeError if it stopped first."""
-        for i, item in enumerate(self._received):
-            if isinstance(item, BaseException) or item == DONE or wanted(item):
-                self._received.pop(i)
-                break
-        else:
-            while True:
-                item = self.worker.receive()
-                if isinstance(item, BaseException) or item == DONE or wanted(item):
-                    break
-                self._received.append(item)
-        if isinstance(item, BaseException):
-            raise item
-        if item == DONE:
-            raise RuntimeError(f"async rollouts: the worker stopped before {what}")
-        return item
-
-    def publish(self, version: int) -> None:
-        """The trainer's weights are now those of ``version``: a copy to the worker. Versions
-        older than ``version - s`` are dropped (no batch in flight can need them)."""
-        weights = snapshot(self.collector.model, self.worker.weights_device)
-        self._weights[version] = weights
-        for old in [v for v in self._weights if v < version - self.s]:
-            del self._weights[old]
-        if self._started:
-            self.worker.send(version, weights)
-
-    def save(self, folder: Path, done: int) -> None:
-        """Write the weights that sample the batches in flight after ``done`` steps (versions
-        done-s .. done-1; the checkpoint's own weights are version ``done``)."""
-        for v in range(behaviour_version(done, self.s), done):
-            if v in self._weights:
-                save_file(self._weights[v], str(Path(folder) / BEHAVIOUR_FILE.format(version=v)))
-
-    def load(self, folder: Path) -> None:
-        """Read the behaviour weights a checkpoint holds (a resume regenerates its batches)."""
-        pattern = re.compile(re.escape(BEHAVIOUR_FILE).replace(r"\{version\}", r"(\d+)") + "$")
-        device = self.worker.weights_device or str(next(self.collector.model.parameters()).device)
-        self._weights = {}
-        for path in Path(folder).iterdir():
-            match = pattern.match(path.name)
-            if match:
-                self._weights[int(match.group(1))] = load_file(str(path), device=device)
-
-    def settle(self) -> None:
-        """Block until the worker has made every batch it can with the weights published so far
-        (the next needs weights not yet published, or it is done): a benchmark that times a
-        stretch of steps then leaves nothing running after it (the time is the stretch's)."""
-        if not self._started or self._done:
-            return
-        last = min(self.cfg.train.steps - 1, max(self._weights) + self.s)  # v(last) published
-        while not self._done and max(self.ready_steps, default=-1) < last:
-            item = self.worker.receive()
-            self._done = item == DONE or isinstance(item, BaseException)
-            self._received.append(item)
-
-    def close(self) -> None:
-        """Stop the worker (after the batch it is making, if any) and wait for it to end."""
-        if self._started:
-            self.worker.stop()
-            self._started = False
-
-    @property
-    def ready_steps(self) -> list[int]:
-        """Steps whose batches the worker has handed over and ``collect`` has not taken yet."""
-        return [self._made(item) for item in self._received if self._made(item) >= 0]
-
-    @staticmethod
-    def _made(item) -> int:
-        return item[0] if isinstance(item, tuple) else -1
-
-    def _start(self, step: int) -> None:
-        """The worker begins at ``step``, with the trainer's current weights as that version;
-        versions before it that the checkpoint did not hold fall back to them (logged)."""
-        self._weights[step] = snapshot(self.collector.model, self.worker.weights_device)
-        missing = [v for v in range(behaviour_version(step, self.s), step) if v not in self._weights]
-        for v in missing:
-            self._weights[v] = self._weights[step]
-        if missing:
-            self.log(f"rollout.async: no weights of versions {missing} in the checkpoint; the "
-                     f"batches in flight are sampled by the weights of step {step}")
-        held = {v: w for v, w in sorted(self._weights.items())
-                if v >= behaviour_version(step, self.s)}
-        self.worker.start(self.cfg, self.collector, self.passes, step, skip_rows=self.skip_rows,
-                          weights=held)
-        self._started, self._done, self._received = True, False, []
 
 
 # ---------------------------------------------------------------------------- the thread worker
@@ -483,7 +236,8 @@ class ThreadWorker:
             name="gspo-rollout")
         self._thread.start()
 
-    def send(self, version: int, weights: dict) -> None:
+    def publish(self, weights: dict, version: int) -> None:
+        """Hold ``weights`` as version ``version`` (older than version - s dropped)."""
         with self._cond:
             self._weights[version] = weights
             for old in [v for v in self._weights if v < version - self.s]:
@@ -522,7 +276,7 @@ class ThreadWorker:
 class WorkerSpec:
     """What the child process builds its collector and log-prob passes from (pickled once)."""
     cfg: object
-    parts: dict                 # the Collector's fields but its rewards and engine (model on CPU)
+    parts: dict                 # the Collector's fields but its rewards and engines (model on CPU)
     passes: LogprobPasses       # its model is set to the child's policy
     device: str
     step: int
@@ -563,7 +317,7 @@ class ProcessWorker:
         self._device = str(collector.device)
         model = collector.model if self._device == "cpu" else copy.deepcopy(collector.model).cpu()
         parts = {f.name: getattr(collector, f.name) for f in dataclasses.fields(collector)
-                 if f.name not in ("rewards", "engine")}
+                 if f.name not in ("rewards", "engine", "evaluator")}
         passes = copy.copy(passes)
         passes.model = None
         spec = WorkerSpec(cfg, {**parts, "model": model, "cursor": copy.deepcopy(collector.cursor)},
@@ -577,10 +331,11 @@ class ProcessWorker:
         self._proc.start()
         alive.close()
         for version, w in weights.items():
-            self.send(version, w)
+            self.publish(w, version)
 
-    def send(self, version: int, weights: dict) -> None:
-        self._inbox.put((version, safetensors_bytes(weights)))    # no pickle for weights
+    def publish(self, weights: dict, version: int) -> None:
+        """Send ``weights`` as version ``version`` (safetensors bytes: no pickle for weights)."""
+        self._inbox.put((version, safetensors_bytes(weights)))
 
     def receive(self):
         """The worker's next item; a RuntimeError if the process ended without saying DONE."""

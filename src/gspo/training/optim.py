@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from transformers import get_scheduler
 
@@ -35,16 +37,44 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
                          num_training_steps=max(total_steps, 1))
 
 
-def clipped_step(loss: torch.Tensor, params, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float) -> torch.Tensor:
-    """backward, clip the gradient norm, step unless loss or norm is non-finite; returns the norm.
+class MinibatchSteps:
+    """One optimizer step per minibatch, alike for every algorithm (the RL step, PPO's critic,
+    SFT, DPO): gradients in, the norm clipped, a step unless the loss or the norm is non-finite
+    (then the gradient is dropped and the skip counted: ``skipped``), the scheduler advanced
+    either way (a skipped update does not shift the schedule); and the minibatches' detached
+    metrics averaged with one host sync (``means``)."""
 
-    The scheduler advances either way, so a skipped update does not shift the schedule.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if bool(torch.isfinite(loss.detach()) & torch.isfinite(norm)):
-        optimizer.step()
-    scheduler.step()
-    return norm
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float, *,
+                 clip: Callable = torch.nn.utils.clip_grad_norm_):
+        self.optimizer, self.scheduler, self.max_norm, self.clip = optimizer, scheduler, max_norm, clip
+        self.skipped = 0
+        self.collected: dict[str, list[torch.Tensor]] = {}
+
+    def step(self, loss: torch.Tensor, params) -> torch.Tensor:
+        """backward of ``loss`` from zeroed gradients, then ``apply``; returns the norm."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return self.apply(loss, params)
+
+    def apply(self, loss: torch.Tensor, params) -> torch.Tensor:
+        """The gradients are in (``loss``: what they are of): clip, step unless non-finite."""
+        norm = self.clip(params, self.max_norm)
+        if bool(torch.isfinite(loss.detach()) & torch.isfinite(norm)):   # one host sync
+            self.optimizer.step()
+        else:  # a NaN/Inf loss or gradient is never applied: skip this update, counted
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped += 1
+        self.scheduler.step()
+        return norm
+
+    def add(self, stats: dict[str, torch.Tensor]) -> None:
+        """One minibatch's detached metrics (tensors)."""
+        for key, value in stats.items():
+            self.collected.setdefault(key, []).append(value.float())
+
+    def means(self) -> dict[str, float]:
+        """Each metric's mean over the minibatches, moved to Python floats together."""
+        keys = list(self.collected)
+        values = torch.stack([torch.stack(self.collected[k]).mean() for k in keys]).tolist()
+        return dict(zip(keys, values))

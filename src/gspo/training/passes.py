@@ -101,8 +101,8 @@ class LogprobPasses:
 
     def routing_context(self, batch: RolloutBatch, keep_logits: bool = False):
         """Replay the batch's stored experts when configured, else just capture (MoE) or nothing."""
-        if self.routing_replay != "none" and "routing" in batch.extras:
-            return moe.replay_routing(self.model, batch.extras["routing"], keep_logits=keep_logits)
+        if self.routing_replay != "none" and batch.routing is not None:
+            return moe.replay_routing(self.model, batch.routing, keep_logits=keep_logits)
         if self.is_moe:
             return moe.capture_routing(self.model, keep_logits=keep_logits)
         return contextlib.nullcontext()
@@ -134,7 +134,7 @@ class LogprobPasses:
             sub = batch.select(rows.to(batch.input_ids.device))
         out, cap = self.routed(sub, with_entropy=False, rows=rows)
         logp = out.logp  # [n, T]
-        if self.is_moe and "routing" not in batch.extras:
+        if self.is_moe and batch.routing is None:
             store_routing(batch, rows, cap.routing)  # π_old's experts [N, L, layers, k]
         if rows is None:
             return logp
@@ -157,7 +157,7 @@ class LogprobPasses:
             old_logp[rows] = out.logp.detach()
             if self.is_moe and self.routing_replay == "none":
                 store_routing(batch, rows, cap.routing)
-                sub.extras["routing"] = cap.routing
+                sub.routing = cap.routing
         logp = out.logp if whole else old_logp[mb.idx].index_copy(0, pos, out.logp)  # [m, T]
         stats = routing_stats(sub, cap) if self.is_moe else {}
         return MinibatchForward(logp, out.entropy, mb.mask[rows], stats, sub, cap)
@@ -170,19 +170,19 @@ class LogprobPasses:
 
 
 def store_routing(batch: RolloutBatch, rows: Tensor | None, routing: Tensor) -> None:
-    """Put the experts of ``rows`` (None: all) into batch.extras["routing"] [N, L, layers, k]."""
+    """Put the experts of ``rows`` (None: all) into batch.routing [N, L, layers, k]."""
     if rows is None:
-        batch.extras["routing"] = routing
+        batch.routing = routing
         return
-    if "routing" not in batch.extras:
-        batch.extras["routing"] = routing.new_zeros((len(batch.completions), *routing.shape[1:]))
-    batch.extras["routing"][rows.to(routing.device)] = routing
+    if batch.routing is None:
+        batch.routing = routing.new_zeros((len(batch.input_ids), *routing.shape[1:]))
+    batch.routing[rows.to(routing.device)] = routing
 
 
 def routing_stats(sub: RolloutBatch, cap) -> dict:
     """Expert load of these rows and the share of (token, layer) whose top-k moved since π_old."""
     T = sub.response_mask.shape[1]
-    old = sub.extras.get("routing")
+    old = sub.routing
     return moe.routing_metrics(moe.response_routing(cap.routing, T), sub.response_mask,
                                cap.num_experts,
                                old=None if old is None else moe.response_routing(old, T))

@@ -1,14 +1,16 @@
 """One RL step, top to bottom, as the GSPO paper's algorithm reads::
 
     prompts[P] --generate G each (π_old)--> responses[N = P·G] --rewards--> r[N]
-      --group advantages--> Â[N] --old log-probs (recompute | rollout)--> old_logp[N, T]
+      --group advantages--> Â[N] --old log-probs (a strategy)--> old_logp[N, T], loss mask
       --shuffle, M minibatches--> logp = π_θ; loss = objective(...) (+ β·KL − c·H)
       --> backward, clip, AdamW step
 
 ``RLStep.__call__`` is that sequence; ``RLStep.update`` the minibatch loop. What is not the
 algorithm sits behind small collaborators, each with a narrow interface:
 
-* ``Collect`` (gspo.rollout.collect.Collector): sampling and scoring, dynamic sampling;
+* ``BatchSource`` (gspo.training.batch_source): the sampled and scored batch of the step;
+* ``OldPolicy`` (gspo.training.old_policy): π_old by the batch's kind (recompute | rollout |
+  behaviour | proximal), the rollout correction, and so the loss mask;
 * ``Algorithm`` (gspo.training.algorithms): the advantages, and what else trains (PPO's critic);
 * ``LogprobPasses`` (gspo.training.passes): the speed paths (rows without signal, the on-policy
   first minibatch, shared prompts) and MoE routing capture / replay;
@@ -30,28 +32,29 @@ import torch
 from torch import Tensor
 
 from gspo.config import TrainConfig
-from gspo.core import correction, objectives
+from gspo.core import objectives
 from gspo.core.plan import UpdatePlan, live_rows, plan_update
+from gspo.core.trajectory import dropped_rows, scored_mask
 from gspo.observe import diagnostics
 from gspo.observe.records import UpdateRecord
 from gspo.observe.timing import StepTimer, breakdown
 from gspo.rewards.isolation import correct_all
-from gspo.rollout.collect import loss_mask, mark_dropped, minibatch_seed
+from gspo.rollout.collect import minibatch_seed
 from gspo.rollout.generate import RolloutBatch
 from gspo.training import lora
 from gspo.training.algorithms import Algorithm
+from gspo.training.old_policy import Context, OldLogprobs, OldPolicy, Strategy
+from gspo.training.optim import MinibatchSteps
 from gspo.training.passes import LogprobPasses, Minibatch, MinibatchForward
-from gspo.training.proximal import LateProximal
 
 
-class Collect(Protocol):
-    """Sampling and scoring of a step's batch (gspo.rollout.collect.Collector)."""
+class BatchSource(Protocol):
+    """Where a step's sampled and scored batch comes from (gspo.training.batch_source: the
+    Collector in the loop, or a worker ahead of it); its π_prox too (``ProximalFeed``)."""
 
     def collect(self, step: int) -> tuple[RolloutBatch | None, Tensor, dict]: ...
     def seed(self, step: int, rnd: int = 0) -> int: ...
-    def proximal(self, step: int) -> Callable | None:
-        """rollout.async_ratio=decoupled, a stale batch: a call that waits for π_prox of its later
-        minibatches (gspo.training.proximal); None: π_old is computed here."""
+    def proximal(self, step: int) -> Callable: ...
 
 
 class Ranks(Protocol):
@@ -88,7 +91,7 @@ class RLStep:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: object
-    collector: Collect
+    source: BatchSource
     algorithm: Algorithm
     passes: LogprobPasses
     ranks: Ranks
@@ -97,6 +100,8 @@ class RLStep:
     ref_model: torch.nn.Module | None = None       # frozen π_ref when train.beta > 0
     objective: Callable | None = field(init=False)
     """The policy loss from the registry (None: sft, no policy-gradient update)."""
+    old_policy: OldPolicy = field(init=False)
+    """π_old's strategy for each batch (gspo.training.old_policy)."""
 
     def __post_init__(self):
         name = self.algorithm.objective
@@ -106,54 +111,40 @@ class RLStep:
         self.aggregation = self.cfg.token_aggregation()
         self.device = next(self.model.parameters()).device
         self.skips_rows = skips_rows(self.cfg, self.algorithm.objective, self.ref_model)
+        self.old_policy = OldPolicy(Context(self.cfg, self.passes, feed=self.source,
+                                            per_row=bool(self.spec and self.spec.sequence_level)))
 
     def __call__(self, step: int) -> dict:
         t_start, timer = time.perf_counter(), StepTimer(self.device)
         # 1. generate G responses to each of P prompts with π_old and score them
-        batch, rewards, metrics = self.collector.collect(step)
+        batch, rewards, metrics = self.source.collect(step)
         metrics = self.ranks.reduce_metrics(metrics, len(rewards))      # ranks: one set of numbers
         if self.ranks.any(batch is None):
             return {**metrics, "step": step + 1, "train/skipped": 1.0}
         if self.objective is None:   # sft, dpo: their own update instead of a policy gradient
             return {"step": step + 1, **metrics, **self.algorithm.update(batch, rewards, step)}
         # 2. advantages: group-relative [N] (ppo: GAE [N, T]); dropped samples leave the loss
-        mark_dropped(batch, rewards)
+        batch.dropped = dropped_rows(rewards)
         advantages = self.algorithm.advantages(batch, rewards)
-        # 3. π_old's log-probs [N, T] of the rows the update plan needs
-        fetch = self.collector.proximal(step)   # async, decoupled: π_prox arrives during the update
-        plan = self.plan(batch, advantages, step, late=fetch is not None)
-        if fetch is not None:          # minibatch 1 makes its own rows', the worker the others'
-            old_logp = torch.zeros_like(batch.response_mask, dtype=torch.float32)       # [N, T]
-        else:
-            # the sampler's log-probs: mismatch and correction read every row (named, so that
-            # each prompt is forwarded once, as in the plan's own rows)
-            rows = torch.arange(len(advantages)) if batch.rollout_logp is not None else plan.old_rows
-            with timer.section("old_logprobs"):
-                old_logp = self.old_logprobs(batch, rows)
-            if batch.rollout_logp is not None:
-                metrics.update(self.ranks.reduce_metrics(self.mismatch(batch, old_logp), len(rewards)))
-            if batch.rollout_logp is not None and self.cfg.train.old_logprobs == "recompute":
-                advantages, stats = self.correct_rollout(batch, advantages, old_logp)  # vs sampler
-                metrics.update(self.ranks.reduce_metrics(stats, len(rewards)))
+        # 3. π_old's log-probs [N, T] of the rows the update plan needs (and the loss mask)
+        strategy = self.old_policy.pick(batch, step)    # recompute | rollout | behaviour | proximal
+        plan = self.plan(batch, advantages, step, strategy=strategy)
+        old = strategy(batch, advantages, plan, timer, step)
+        metrics.update(self.ranks.reduce_metrics(old.metrics, len(rewards)))
         # 4. M minibatch updates of the policy, then what else the algorithm trains (ppo: critic)
         t0 = time.perf_counter()
         self.audit.begin(step)                                          # π_old, if audited
-        record = UpdateRecord.start(loss_mask(batch, self.cfg.train.mask_truncated))
-        late = None if fetch is None else self.late_proximal(fetch, batch, advantages, record.mask,
-                                                             plan.old_rows)
-        metrics.update(self.update(batch, advantages, old_logp, plan, record, timer, late))
+        update, record = self.update(batch, old, plan, timer)
+        metrics.update(update)
         metrics.update(self.algorithm.update(batch, rewards, step))
         metrics["time/train_s"] = time.perf_counter() - t0
-        if late is not None:           # π_prox vs π_v over the rows trained on; the weighted Â
-            late.fill(old_logp)                               # (M = 1: nothing waited for it)
-            metrics.update(late.metrics(old_logp, batch.response_mask, trained_rows(plan)))
-            advantages = late.advantages
+        metrics.update(old.finish(batch.response_mask, trained_rows(plan)))   # proximal: mismatch/*
         # 5. diagnostics and the audit record
         metrics.update(self.ranks.reduce_metrics(
-            self.length_slices(batch, rewards, advantages, old_logp, record), len(rewards)))
-        self.audit.finish(step, batch, rewards, advantages, old_logp, record, metrics,
+            self.length_slices(batch, rewards, old.advantages, old.logp, record), len(rewards)))
+        self.audit.finish(step, batch, rewards, old.advantages, old.logp, record, metrics,
                           new_logprobs=self.passes.new_logprobs,
-                          seeds={"generation": self.collector.seed(step, 0),
+                          seeds={"generation": self.source.seed(step, 0),
                                  "dynamic_sampling": self.cfg.train.dynamic_sampling,
                                  "minibatch": minibatch_seed(self.cfg.seed, step)})
         parts = {**timer.seconds(), "generate": metrics["time/generate_s"],
@@ -161,31 +152,28 @@ class RLStep:
         metrics.update(breakdown(parts, time.perf_counter() - t_start))
         return {"step": step + 1, **metrics}
 
-    def update(self, batch: RolloutBatch, advantages: Tensor, old_logp: Tensor, plan: UpdatePlan,
-               record: UpdateRecord | None = None, timer: StepTimer | None = None,
-               late: LateProximal | None = None) -> dict:
+    def update(self, batch: RolloutBatch, old: OldLogprobs, plan: UpdatePlan,
+               timer: StepTimer | None = None) -> tuple[dict, UpdateRecord]:
         """M minibatch updates on one rollout batch (``plan``): log-probs, objective, backward,
-        clip, step. Metrics averaged over minibatches; ``record`` (its mask: the loss mask) gets
-        what each row trained on. The plan may have the first minibatch write its rows of
-        ``old_logp`` (in place). ``late``: the later minibatches' π_old arrives before minibatch
-        2, and each minibatch's rows are corrected (advantages, mask) once their π_old is in."""
-        record = record or UpdateRecord.start(loss_mask(batch, self.cfg.train.mask_truncated))
-        timer = timer or StepTimer(self.device)
+        clip, step; (metrics averaged over minibatches, what each row trained on). The plan may
+        have the first minibatch write its rows of ``old.logp`` (in place); ``old``'s hooks
+        complete π_old (proximal) as the minibatches run. The loss mask is ``batch.loss_mask``
+        (the scored mask when the step has not set it)."""
+        if batch.loss_mask is None:
+            batch.loss_mask = scored_mask(batch, self.cfg.train.mask_truncated)
+        record, timer = UpdateRecord.start(batch.loss_mask), timer or StepTimer(self.device)
         ref_logp = self.reference_logprobs(batch)                       # [N, T] or None
-        collected: dict[str, list[Tensor]] = {}
-        nonfinite = 0
+        steps = MinibatchSteps(self.optimizer, self.scheduler, self.cfg.train.grad_clip,
+                               clip=self.ranks.clip_grad_norm)
         self.model.train()
-        for i, mb in enumerate(minibatches(plan, record.mask, self.device)):
+        for i, mb in enumerate(minibatches(plan, batch.loss_mask, self.device)):
             with timer.section("forward_backward"):
-                if late is not None and i == 1:
-                    late.fill(old_logp)          # made by the worker while minibatch 1 ran
+                old.before_minibatch(i)
                 counts = self.ranks.global_counts(mb.mask[mb.idx])   # normalisers over all ranks
-                fwd = self.passes.minibatch(batch, mb, old_logp,
+                fwd = self.passes.minibatch(batch, mb, old.logp,
                                             fill_old=i == 0 and plan.reuse_first and mb.live)
-                if late is not None and mb.live:   # (one process: counts are {}, unaffected)
-                    late.correct(mb.idx[mb.pos.to(mb.idx.device)], old_logp, record.mask)
-                adv = advantages if late is None else late.advantages
-                loss, stats = self.objective(fwd.logp, old_logp[mb.idx], adv[mb.idx],
+                adv = old.minibatch_advantages(mb, batch.loss_mask)
+                loss, stats = self.objective(fwd.logp, old.logp[mb.idx], adv[mb.idx],
                                              mb.mask[mb.idx], **self.objective_kwargs, **counts)
                 if mb.live:
                     record.add(mb.idx, fwd.logp, loss)
@@ -193,60 +181,37 @@ class RLStep:
                 self.backward(total, mb.partial)
                 total = self.ranks.sync_grads(self.model, total)  # Σ_r ∇L_r = ∇L, the global loss
             with timer.section("optimizer"):
-                grad_norm = self.ranks.clip_grad_norm(self.model.parameters(),
-                                                      self.cfg.train.grad_clip)
-                stats["optim/grad_norm"] = grad_norm.detach()
-                if bool(torch.isfinite(total.detach()) & torch.isfinite(grad_norm)):  # one sync
-                    self.optimizer.step()
-                else:  # a NaN/Inf loss or gradient is never applied: skip this update, counted
-                    self.optimizer.zero_grad(set_to_none=True)
-                    nonfinite += 1
-                self.scheduler.step()
-            stats = self.ranks.reduce_stats(stats, mb.mask[mb.idx], self.spec.sequence_level)
-            for k, v in stats.items():
-                collected.setdefault(k, []).append(v.float())
-        # one host sync per step: stack every metric, then move to Python floats together
-        keys = list(collected)
-        values = torch.stack([torch.stack(collected[k]).mean() for k in keys]).tolist()
-        return {**dict(zip(keys, values)), "optim/lr": self.scheduler.get_last_lr()[0],
-                "optim/skipped_nonfinite": nonfinite,
-                **self.ranks.reduce_metrics({"train/rows_skipped": plan.skipped}, 1)}  # ranks: sum
+                stats["optim/grad_norm"] = steps.apply(total, self.model.parameters()).detach()
+            steps.add(self.ranks.reduce_stats(stats, mb.mask[mb.idx], self.spec.sequence_level))
+        return {**steps.means(), "optim/lr": self.scheduler.get_last_lr()[0],
+                "optim/skipped_nonfinite": steps.skipped,
+                **self.ranks.reduce_metrics({"train/rows_skipped": plan.skipped}, 1)}, record
 
     # ----------------------------------------------------------------------------- its parts
-    def plan(self, batch: RolloutBatch, advantages: Tensor, step: int,
-             optimize: bool = True, late: bool = False) -> UpdatePlan:
-        """This step's minibatches and the rows needing a forward (gspo.core.plan); ``optimize=False``:
-        every row, π_old of every row from the old-log-prob pass. ``late``: π_old is π_prox, the
-        trainer's own weights (so the first minibatch's forward is its π_old), the rest arriving."""
+    def plan(self, batch: RolloutBatch, advantages: Tensor, step: int, speed_paths: bool = True,
+             strategy: Strategy | None = None) -> UpdatePlan:
+        """This step's minibatches and the rows needing a forward (gspo.core.plan);
+        ``speed_paths=False``: every row, π_old of every row from the old-log-prob pass.
+        ``strategy`` (default: the batch's) says whether the first minibatch's forward may be
+        its rows' π_old."""
         cfg = self.cfg
         gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
         minibatches = self.ranks.minibatch_rows(len(advantages), cfg.train.minibatches, gen,
                                                 cfg.minibatch_unit)                       # this rank's
-        if not optimize or self.ranks.policy is not None:  # fsdp: forwards are collectives, none skipped
+        if not speed_paths or self.ranks.policy is not None:  # fsdp: forwards are collectives
             return plan_update(minibatches, None, reuse_first=False)
         skip = self.skips_rows and not self.audit.due(step)
-        mask = loss_mask(batch, cfg.train.mask_truncated)
+        mask = scored_mask(batch, cfg.train.mask_truncated)
         live = live_rows(advantages.cpu(), mask.cpu()) if skip else None                  # [N]
-        reuse = late or (cfg.train.old_logprobs == "recompute" and batch.rollout_logp is None
-                         and cfg.moe.routing_replay != "old" and "behaviour_logp" not in batch.extras)
-        return plan_update(minibatches, live, reuse_first=reuse)
+        strategy = strategy or self.old_policy.pick(batch, step)
+        return plan_update(minibatches, live, reuse_first=strategy.reuse_first(batch))
 
     def old_logprobs(self, batch: RolloutBatch, rows: Tensor | None = None) -> Tensor:
-        """[N, T] log π_old: the generator's own (train.old_logprobs=rollout), or recomputed for
-        ``rows`` (CPU; None: all, the others stay 0 until the first minibatch fills them)."""
+        """[N, T] log π_old of a synchronous batch: the generator's own (train.old_logprobs=
+        rollout), or recomputed for ``rows`` (CPU; None: all; the others stay 0)."""
         if self.cfg.train.old_logprobs == "rollout":
             return batch.rollout_logp
-        if "behaviour_logp" in batch.extras:  # async, stale batch: π_old of the weights that sampled it
-            return batch.extras["behaviour_logp"]
         return self.passes.old_logprobs(batch, rows)
-
-    def late_proximal(self, fetch: Callable, batch: RolloutBatch, advantages: Tensor,
-                      mask: Tensor, needed: Tensor | None) -> LateProximal:
-        """The decoupled ratio's π_prox arriving from the worker (``needed``: the rows the plan
-        reads, checked against what it sends), corrected per minibatch."""
-        cfg = self.cfg.train.rollout_correction
-        return LateProximal(fetch, batch.rollout_logp, advantages, mask, needed, mode=cfg.mode,
-                            params=cfg.params(), per_row=self.spec.sequence_level)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor | None:
@@ -291,32 +256,6 @@ class RLStep:
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
 
-    def mismatch(self, batch: RolloutBatch, old_logp: Tensor) -> dict:
-        """Generator vs trainer log-probs (only when the generator's exist)."""
-        if self.cfg.train.old_logprobs == "rollout":
-            with torch.no_grad():
-                trainer_logp = self.passes.logprobs(self.model, batch).logp
-        else:
-            trainer_logp = old_logp
-        return diagnostics.logprob_mismatch(batch.rollout_logp, trainer_logp, batch.response_mask)
-
-    def correct_rollout(self, batch: RolloutBatch, advantages: Tensor, old_logp: Tensor
-                        ) -> tuple[Tensor, dict]:
-        """train.rollout_correction: its mask joins the loss mask (batch.extras), its weight scales
-        the advantages (gspo.core.correction.weighted_advantages); mismatch/* stats (mode none:
-        only these)."""
-        cfg = self.cfg.train.rollout_correction
-        mask = loss_mask(batch, self.cfg.train.mask_truncated)                       # [N, T]
-        out = correction.spec(cfg.mode).fn(old_logp, batch.rollout_logp, mask, **cfg.params())
-        values = torch.stack(list(out.stats.values())).tolist()
-        stats = {f"mismatch/{k}": v for k, v in zip(out.stats, values)}
-        if cfg.mode == "none":
-            return advantages, stats
-        batch.extras["correction_mask"] = out.mask.to(mask.dtype)                   # [N, T]
-        advantages = correction.weighted_advantages(advantages, out.weight, mask,
-                                                    per_row=self.spec.sequence_level)
-        return advantages, stats
-
     def length_slices(self, batch: RolloutBatch, rewards: Tensor, advantages: Tensor,
                       old_logp: Tensor, record: UpdateRecord) -> dict:
         """Reward, accuracy, clip fraction and ratio per response-length bucket (length/*)."""
@@ -327,7 +266,7 @@ class RLStep:
             correct_all(self.task, batch.completions, batch.examples))
         return diagnostics.length_slices(
             batch.lengths.cpu(), rewards.cpu(), correct, record.logp, old_logp, advantages,
-            record.mask, objective=self.objective, objective_kwargs=self.objective_kwargs,
+            batch.loss_mask, objective=self.objective, objective_kwargs=self.objective_kwargs,
             buckets=diagnostics.length_buckets(self.cfg.rollout.max_new_tokens, n))
 
 

@@ -35,7 +35,7 @@ from gspo.rollout.evaluation import EvalResult, evaluate
 from gspo.training import algorithms, dist_checkpoint, distributed, lora, provenance
 from gspo.storage import write_atomic, writing
 from gspo.training.checkpoint import load_latest
-from gspo.training.async_rollout import build_source
+from gspo.training.batch_source import build_source
 from gspo.training.cold_start import initial_policy, prepare_policy
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
