@@ -60,3 +60,65 @@ def test_unknown_format_lists_the_formats():
     assert FORMATS.names() == ["fp8", "int8"]
     with pytest.raises(ValueError, match="unknown rollout quantisation format 'int4'.*fp8, int8"):
         fake_quantize(torch.ones(2, 2), "int4")
+
+
+# ----------------------------------------------------------------- the quantised sampler
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_the_hf_sampler_copy_is_rounded_at_build_and_at_every_update(fmt):
+    from gspo.models.presets import build_char_tokenizer
+    from gspo.rollout import engines
+    model, _ = build_model("tiny-moe", 0)
+    engine = engines.build("hf", model, build_char_tokenizer(), quantize=fmt)
+    assert engine.module is not model and engine.owns_copy
+    name = "model.layers.0.self_attn.q_proj.weight"
+    sampler, policy = dict(engine.module.named_parameters()), dict(model.named_parameters())
+    assert torch.equal(sampler[name], fake_quantize(policy[name].detach(), fmt))
+    assert not torch.equal(sampler[name], policy[name])
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(sampler[experts], fake_quantize(policy[experts].detach(), fmt))
+    router = "model.layers.0.mlp.gate.weight"
+    assert torch.equal(sampler[router], policy[router])                 # routers stay exact
+    with torch.no_grad():
+        policy[name].add_(0.01)                                         # "an optimizer step"
+    engine.update_weights(model.state_dict(), 1)
+    assert torch.equal(sampler[name], fake_quantize(policy[name].detach(), fmt)) and engine.version == 1
+
+
+def test_a_quantised_sampler_is_a_measured_mismatch(make_cfg, reward_module):
+    """rollout.quantize=int8 through the trainer: the sampler's log-probs differ from the
+    trainer's (mismatch/* logged with no correction), more than a float32 sampler's (zero)."""
+    from conftest import parity_rewards
+    from gspo.observe.metrics import read_metrics
+    from gspo.training.trainer import Trainer
+    cfg = make_cfg("sft.enabled=false", parity_rewards(reward_module), "train.steps=1",
+                   "rollout.quantize=int8")        # no correction, no flag: measured all the same
+    Trainer(cfg, log=lambda m: None).run()
+    row = read_metrics(cfg.run.dir)[1]
+    assert row["mismatch/token_abs_max"] > 1e-3 and row["mismatch/kl"] > 1e-7
+    assert 0 <= row["mismatch/ratio_above_2_frac"] <= 1 and 0 <= row["mismatch/ratio_below_half_frac"] <= 1
+
+
+def test_r3_with_a_quantised_sampler_replays_the_samplers_experts(make_cfg, reward_module):
+    """moe.routing_replay=rollout with rollout.quantize=int8 (wide-moe): the experts the sampler
+    copy routed to are recorded at generation, and the trainer's forward under replay runs
+    exactly those, where its own router would have chosen others for some tokens."""
+    from conftest import parity_rewards
+    from gspo.models import moe
+    from gspo.training.trainer import Trainer
+    cfg = make_cfg("sft.enabled=false", parity_rewards(reward_module), "model.preset=wide-moe",
+                   "rollout.quantize=int8", "moe.routing_replay=rollout")
+    trainer = Trainer(cfg, log=lambda m: None)
+    trainer.setup()
+    batch = trainer.collector.generate(trainer.train_set[:4], seed=1)
+    sampled = batch.routing                                              # [N, L, layers, k]
+    assert trainer.collector.engine.module is not trainer.model
+    model, ids, attn = trainer.model, batch.input_ids, batch.attention_mask
+    T = batch.response_mask.shape[1]
+    with torch.no_grad(), moe.replay_routing(model, sampled), moe.capture_routing(model) as used:
+        model(input_ids=ids, attention_mask=attn)
+    assert torch.equal(used.routing, sampled)                            # the sampler's experts
+    with torch.no_grad(), moe.capture_routing(model) as own:
+        model(input_ids=ids, attention_mask=attn)
+    rate, _ = moe.routing_change_rate(moe.response_routing(sampled, T),
+                                      moe.response_routing(own.routing, T), batch.response_mask)
+    assert rate > 0                                                      # the precision moved routing

@@ -53,8 +53,9 @@ def test_config_refusals():
         load_config(None, ["train.rollout_correction.mode=icepop", "train.rollout_correction.cap=3"])
     with pytest.raises(ConfigError, match="did you mean 'seq_tis'"):
         load_config(None, ["train.rollout_correction.mode=seqtis"])
-    with pytest.raises(ConfigError, match="moe.routing_replay=rollout cannot capture"):
-        load_config(None, ["model.preset=tiny-moe", "moe.routing_replay=rollout", "rollout.dtype=bfloat16"])
+    # R3 with a sampler copy (bf16 or quantised): its own experts are captured and replayed
+    for copy in ("rollout.dtype=bfloat16", "rollout.quantize=fp8"):
+        assert load_config(None, ["model.preset=tiny-moe", "moe.routing_replay=rollout", copy]).moe.routing_replay == "rollout"
     with pytest.raises(ConfigError, match="gspo audit. does not re-derive yet: use audit.every=0"):
         load_config(None, ["train.rollout_correction.mode=seq_tis", "audit.every=1"])
     assert load_config(None, []).train.rollout_correction.mode == "none"

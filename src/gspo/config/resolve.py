@@ -160,13 +160,6 @@ def rollout_correction(out: Resolved, env: Environment) -> None:
                          f"train.rollout_correction.mode=none)")
 
 
-def rollout_dtype(out: Resolved, env: Environment) -> None:
-    c = out.config
-    if c.rollout.dtype not in ("model", c.model.dtype) and c.moe.routing_replay == "rollout":
-        raise ValueError(f"rollout.dtype={c.rollout.dtype} samples with a copy of the policy, whose "
-                         f"experts moe.routing_replay=rollout cannot capture: use rollout.dtype=model")
-
-
 def async_rollout(out: Resolved, env: Environment) -> None:
     c = out.config
     if not c.rollout.async_:
@@ -261,6 +254,6 @@ def not_built_together(out: Resolved, env: Environment) -> None:
 
 
 RULES: tuple[Callable[[Resolved, Environment], None], ...] = (
-    advantage_scale, minibatches, routing_replay_old, engine, rollout_correction, rollout_dtype,
+    advantage_scale, minibatches, routing_replay_old, engine, rollout_correction,
     async_rollout, guard_kl_ref, task_keys, chat_template, not_built_together)
 """The rules in the order they run."""

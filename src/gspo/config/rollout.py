@@ -25,6 +25,8 @@ class RolloutConfig(Section):
     """Top-k sampling (0: off)."""
     dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
+    quantize: Literal["int8", "fp8"] | None = None
+    """Sample with a copy of the policy whose weight matrices are rounded to int8 (a scale per output channel) or fp8 e4m3 (a scale per matrix), computed in the copy's dtype: a quantised sampler's mismatch, larger than bf16's, on any machine (gspo.core.quantize; embeddings, LM head and MoE routers stay exact). The copy is refreshed, and rounded again, before every generation, and its log-probs are always returned (mismatch/* every step, whatever the correction). Evaluation: hf on the policy itself; vllm through its rounded engine. None: no rounding."""
     engine: str = "hf"
     """Generation engine (gspo.rollout.engines, docs/engines.md): hf (transformers generate on the policy, or on its rollout.dtype copy) | vllm (a vLLM engine in this process built once from the policy after the cold start, weights synced in place before every step's generation; optional package; one process, no LoRA, no moe.routing_replay=rollout; under rollout.async a thread worker samples through the same engine, a process worker builds its own). With vllm the sampler's log-probs are always returned (mismatch/* every step) and train.rollout_correction defaults to tis."""
     engine_sleep: bool = True

@@ -161,7 +161,8 @@ class Collector:
             r = self.cfg.rollout
             settings = {"dtype": None if r.dtype == "model" else DTYPES[r.dtype],
                         "seed": self.cfg.seed, "enable_sleep_mode": r.engine_sleep,
-                        "share_prompts": self.cfg.moe.routing_replay != "rollout"}  # a capture
+                        "share_prompts": self.cfg.moe.routing_replay != "rollout",  # a capture
+                        "quantize": r.quantize}
             self.engine = engines.build(r.engine, self.model, self.tokenizer,     # sees all N rows
                                         **engines.options_for(r.engine, settings))
         else:
@@ -209,7 +210,8 @@ class Collector:
         cfg, engine = self.cfg, self.sampler(version)
         with_logprobs = (cfg.train.old_logprobs == "rollout" or cfg.train.log_rollout_logprobs
                          or cfg.train.rollout_correction.mode != "none" or engine.always_logprobs
-                         or self.keep_logprobs)
+                         or self.keep_logprobs or cfg.rollout.quantize is not None)  # its mismatch
+
         capture = cfg.moe.routing_replay == "rollout"         # (an engine with a module: hf)
         with moe.capture_routing(engine.module) if capture else contextlib.nullcontext() as cap, \
                 self.shards.full_params():      # fsdp: gathered, so ranks may generate unequal lengths

@@ -40,6 +40,7 @@ except ImportError:  # transformers 4: the in-memory layout is the checkpoint's
     def revert_weight_conversion(model, state_dict):
         return state_dict
 
+from gspo.core.quantize import fake_quantize, quantize_weights, quantized
 from gspo.errors import UserError
 from gspo.models.presets import save_model
 from gspo.registry import Registry
@@ -205,13 +206,18 @@ class HFEngine(Engine):
     ``share_prompts=False``: every forward sees all N rows (MoE routing captured at generation)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-                 dtype: torch.dtype | None = None, share_prompts: bool = True):
+                 dtype: torch.dtype | None = None, share_prompts: bool = True,
+                 quantize: str | None = None):
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.share_prompts = share_prompts
-        own = dtype is not None and dtype != next(model.parameters()).dtype
+        self.quantize = quantize
+        """int8 | fp8: the copy's weight matrices rounded to that format (gspo.core.quantize)."""
+        own = (dtype is not None and dtype != next(model.parameters()).dtype) or quantize is not None
         self.model = copy.deepcopy(model).to(dtype).requires_grad_(False) if own else model
         self.owns_copy = own
-        """True when ``model`` is a copy (another dtype) that ``update_weights`` must refresh."""
+        """True when ``model`` is a copy (another dtype, or quantised) that ``update_weights`` refreshes."""
+        if quantize is not None:
+            self.update_weights(model.state_dict(), None)
 
     @property
     def module(self) -> PreTrainedModel:
@@ -222,6 +228,8 @@ class HFEngine(Engine):
         return next(self.model.parameters()).device
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int | None) -> None:
+        if self.quantize is not None:
+            weights = quantize_weights(weights, self.quantize)
         self.model.load_state_dict(weights)          # in place (a copy: cast to its dtype)
         self.version = version
 
@@ -295,7 +303,7 @@ class VLLMEngine(Engine):
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  dtype: torch.dtype | None = None, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  enable_sleep_mode: bool = False, max_model_len: int | None = None,
-                 kv_cache_gib: int = 1, **llm_options):
+                 kv_cache_gib: int = 1, quantize: str | None = None, **llm_options):
         # In-process engine core: the model runner (reload_weights) is reachable, and no worker
         # process is spawned (which would need the caller under `if __name__ == "__main__"`).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -322,12 +330,19 @@ class VLLMEngine(Engine):
         self.architecture = model
         """What ``update_weights`` reads the in-memory -> checkpoint layout from (a remote engine
         would hold its own copy of the architecture)."""
+        self.quantize = quantize
+        """int8 | fp8: each weight matrix rounded to that format as it is loaded (gspo.core.quantize;
+        the scales are per matrix as the checkpoint stores it, one expert's projection each)."""
+        if quantize is not None:
+            self.update_weights(model.state_dict(), None)
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int | None) -> None:
         if not self.on_gpu:   # CPU MoE: prepack the reloaded experts as a first load does
             self.llm.collective_rpc(forget_moe_kernels)
-        self.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": policy_weights(self.architecture, weights)})
+        named = policy_weights(self.architecture, weights)
+        if self.quantize is not None:
+            named = ((n, fake_quantize(t, self.quantize) if quantized(n, t) else t) for n, t in named)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         self.llm.reset_prefix_cache()        # cached prompt KV was computed with the old weights
         self.version = version
 

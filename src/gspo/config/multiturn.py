@@ -1,0 +1,43 @@
+"""The ``multiturn`` section (``gspo.envs``, ``gspo.rollout.multiturn``): the environment every
+trajectory runs in, its tools, and the budgets of an episode (docs/multiturn.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from gspo.config.base import Section, one_of
+from gspo.envs.tools import CALL_FORMATS
+
+
+class MultiTurnConfig(Section):
+    env: str | None = None
+    """None: single-turn rollouts (one completion per sample). Else the environment each trajectory runs in, built per trajectory from its example: a built-in (single | tools | guess, gspo.envs) or module:Class of your own."""
+    params: dict = {}
+    """Keyword arguments of a module:Class environment."""
+    tools: list[str] = []
+    """multiturn.env=tools: the tools, typed Python functions as module:function (docs/multiturn.md)."""
+    call_format: str = "hermes"
+    """How a turn writes its tool calls (gspo.envs.tools.CALL_FORMATS): hermes (<tool_call>JSON</tool_call>, answered by tool messages under the chat template) | bracket ([name arg ...], answered by '=result' lines: for the character tokenizer)."""
+    sandbox: bool = False
+    """Run each tool in the reward sandbox's limited worker process (killable; CPU, memory and file limits; no network) instead of in-process with a timeout."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall-clock limit of one tool call; past it the call answers an error."""
+    sandbox_cpu_s: float = Field(10.0, gt=0)
+    """multiturn.sandbox: CPU seconds per tool call."""
+    sandbox_memory_mb: int = Field(1024, ge=64)
+    """multiturn.sandbox: address-space limit of a tool's worker process."""
+    on_tool_error: Literal["observe", "fail"] = "observe"
+    """A tool that raises, hangs, exceeds its limits or gets bad arguments: observe (its error is the observation, counted in multiturn/tool_errors_mean) | fail (the run stops with the error)."""
+    max_turns: int = Field(4, ge=1)
+    """Policy turns per trajectory; a row whose last allowed turn still gets an answer ends 'turns'."""
+    max_total_tokens: int = Field(256, ge=2)
+    """Tokens after the prompt, policy and environment together (each turn is also limited by rollout.max_new_tokens)."""
+    max_observation_tokens: int = Field(64, ge=1)
+    """Tokens of one observation; a longer one ends the row ('budget') and is not appended."""
+
+    @field_validator("call_format")
+    @classmethod
+    def _call_format(cls, name: str) -> str:
+        return one_of("tool call format", name, CALL_FORMATS.names())
