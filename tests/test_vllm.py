@@ -90,6 +90,25 @@ def test_logprobs_equal_the_trainers_after_a_weight_sync(dense):
     assert synced < 1e-5, synced
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_quantised_engine_samples_with_the_rounded_weights(dense, fmt):
+    """rollout.quantize with vllm: each weight is rounded as it is loaded, so vLLM's log-probs
+    equal the trainer's on the hf engine's rounded copy (the same rounding), and differ from the
+    exact policy's."""
+    model, tok, engine = dense
+    rounded = engines.build("hf", model, tok, quantize=fmt).module
+    engine.quantize = fmt
+    try:
+        engine.update_weights(model.state_dict(), None)
+        params = SamplingParams(max_new_tokens=NEW, temperature=0.8)
+        samples = engine.generate(ids_of(tok), G, params, seed=5)
+        assert trainer_gap(rounded, tok, samples, 0.8) < 1e-5
+        assert trainer_gap(model, tok, samples, 0.8) > 1e-3
+    finally:
+        engine.quantize = None
+        engine.update_weights(model.state_dict(), None)
+
+
 def test_sampling_is_reproducible_for_a_seed(dense):
     _, tok, engine = dense
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0)
