@@ -28,6 +28,7 @@ from gspo.config.base import ConfigError, Section, one_of
 from gspo.config.loading import (apply_override, config_hash, dump_yaml, format_validation_error,
                                  load_config, parse_override, read_yaml, shipped_config)
 from gspo.config.models import LoRAConfig, ModelConfig, MoEConfig
+from gspo.config.multiturn import MultiTurnConfig
 from gspo.config.objectives import (BASELINES, AdvantageConfig, DPOConfig, ObjectiveConfig,
                                     PPOConfig, RolloutCorrectionConfig, objective_names)
 from gspo.config.observe import (AuditConfig, FaultsConfig, GuardConfig, GuardRule, MonitorConfig,
@@ -41,7 +42,7 @@ from gspo.config.training import DistConfig, SFTConfig, TrainLoopConfig
 __all__ = [
     "BASELINES", "MOVED", "AdvantageConfig", "AuditConfig", "ConfigError", "DPOConfig",
     "DataConfig", "DistConfig", "Environment", "EvalConfig", "FaultsConfig", "GuardConfig",
-    "GuardRule", "LoRAConfig", "ModelConfig", "MoEConfig", "MonitorConfig", "ObjectiveConfig",
+    "GuardRule", "LoRAConfig", "ModelConfig", "MoEConfig", "MonitorConfig", "MultiTurnConfig", "ObjectiveConfig",
     "PPOConfig", "Resolved", "RewardSpec", "RewardsConfig", "RolloutConfig",
     "RolloutCorrectionConfig", "RunConfig", "SFTConfig", "Section", "TaskConfig", "TrainConfig",
     "TrainLoopConfig", "apply_override", "config_hash", "dump_yaml", "format_validation_error",

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from gspo.config.base import Section, one_of
+from gspo import envs
 from gspo.envs.tools import CALL_FORMATS
 
 
@@ -36,6 +37,13 @@ class MultiTurnConfig(Section):
     """Tokens after the prompt, policy and environment together (each turn is also limited by rollout.max_new_tokens)."""
     max_observation_tokens: int = Field(64, ge=1)
     """Tokens of one observation; a longer one ends the row ('budget') and is not appended."""
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, name: str | None) -> str | None:
+        if name is None or ":" in name:      # module:Class is imported by the resolve step
+            return name
+        return one_of("environment", name, envs.available())
 
     @field_validator("call_format")
     @classmethod

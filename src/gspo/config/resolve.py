@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
 
-from gspo import tasks
+from gspo import envs, tasks
+from gspo.envs.tools import load_tool
 from gspo.config.train import TrainConfig
 from gspo.core import advantages, objectives
 from gspo.rollout import engines
@@ -253,7 +254,36 @@ def not_built_together(out: Resolved, env: Environment) -> None:
                          "reference are copies of the whole policy); use a group-relative objective")
 
 
+def multiturn(out: Resolved, env: Environment) -> None:
+    """An environment's names and what does not combine with a multi-turn episode yet."""
+    c, m = out.config, out.config.multiturn
+    if m.env is None:
+        if m.tools:
+            raise ValueError("multiturn.tools is set but multiturn.env is not: set multiturn.env=tools")
+        return
+    if m.env == "tools" and not m.tools:
+        raise ValueError("multiturn.env=tools needs multiturn.tools (typed functions, module:function)")
+    if m.tools and m.env != "tools":
+        raise ValueError(f"multiturn.tools are served by multiturn.env=tools, not {m.env!r}")
+    if m.env != "tools":
+        envs.check(m.env, m.params)             # imports a module:Class; refuses unknown params
+    for tool in m.tools:
+        load_tool(tool)                         # importable and typed, or one line
+    refused = [
+        (c.objective.name == "ppo", "objective.name=ppo (its critic scores every response token, "
+                                    "observations included)"),
+        (c.moe.routing_replay == "rollout", "moe.routing_replay=rollout (the experts of several "
+                                            "turns' generations are not laid out as one trajectory yet)"),
+        (c.rollout.async_, "rollout.async (the worker does not run environments yet)"),
+        (c.audit.every > 0, "audit.every (the audit's mask rules are the single-turn ones)"),
+        (c.objective.name in ("dpo", "sft"), f"objective.name={c.objective.name}"),
+    ]
+    for refuse, why in refused:
+        if refuse:
+            raise ValueError(f"multiturn.env={m.env} does not work with {why}")
+
+
 RULES: tuple[Callable[[Resolved, Environment], None], ...] = (
     advantage_scale, minibatches, routing_replay_old, engine, rollout_correction,
-    async_rollout, guard_kl_ref, task_keys, chat_template, not_built_together)
+    async_rollout, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn)
 """The rules in the order they run."""

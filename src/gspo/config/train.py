@@ -12,6 +12,7 @@ from pydantic import BaseModel, model_validator
 from gspo import objective_presets as presets
 from gspo.config.base import Section
 from gspo.config.models import ModelConfig, MoEConfig
+from gspo.config.multiturn import MultiTurnConfig
 from gspo.config.objectives import AdvantageConfig, DPOConfig, ObjectiveConfig, PPOConfig
 from gspo.config.observe import AuditConfig, FaultsConfig, GuardConfig, MonitorConfig, RunConfig
 from gspo.config.rollout import EvalConfig, RolloutConfig
@@ -36,6 +37,8 @@ class TrainConfig(Section):
     """What a bad training or test example does to the run (docs/reliability.md)."""
     sft: SFTConfig = SFTConfig()
     rollout: RolloutConfig = RolloutConfig()
+    multiturn: MultiTurnConfig = MultiTurnConfig()
+    """Multi-turn, tool-using episodes: the environment, its tools and the episode's budgets (docs/multiturn.md); off (single-turn) by default."""
     objective: ObjectiveConfig = ObjectiveConfig()
     ppo: PPOConfig = PPOConfig()
     """objective.name=ppo: critic, GAE and value loss (docs/baselines.md); ignored otherwise."""

@@ -252,6 +252,7 @@ class Collector:
             rewards = result.total.to(self.device)                         # [N]
             if first_stats is None:
                 first_stats = reward_stats(self.task, batch, rewards, result.per_source, G)
+                first_stats.update(getattr(self.episode, "metrics", {}))   # multiturn/*
             if not cfg.train.dynamic_sampling:
                 return batch, rewards, {**first_stats, **extra}
             keep = rewards.view(-1, G).std(-1) > 0                          # [P]

@@ -55,8 +55,12 @@ def _batches(items: list, size: int):
 
 def sample_batch(model: PreTrainedModel, engine: engines.Engine | None,
                  tokenizer: PreTrainedTokenizerBase, examples: list[Example], params: SamplingParams,
-                 **kwargs) -> RolloutBatch:
-    """Responses to ``examples`` from ``engine`` if given, else transformers on ``model``."""
+                 episode=None, **kwargs) -> RolloutBatch:
+    """Responses to ``examples`` from ``engine`` if given, else transformers on ``model``; with an
+    ``episode`` (multi-turn), whole trajectories through it, the final turn scored."""
+    if episode is not None:
+        return episode(engine, tokenizer, examples, params, group_size=kwargs.get("group_size", 1),
+                       seed=kwargs.get("seed"), with_logprobs=False)
     if engine is None:
         return generate(model, tokenizer, examples, params, **kwargs)
     return engines.generate_batch(engine, tokenizer, examples, params, **kwargs)
@@ -64,7 +68,8 @@ def sample_batch(model: PreTrainedModel, engine: engines.Engine | None,
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
              examples: list[Example], *, max_new_tokens: int, k: int = 4, temperature: float = 1.0,
-             batch_size: int = 256, seed: int = 0, engine: engines.Engine | None = None) -> EvalResult:
+             batch_size: int = 256, seed: int = 0, engine: engines.Engine | None = None,
+             episode=None) -> EvalResult:
     """Greedy accuracy plus k-sample pass@1 / pass@k on ``examples`` (deterministic in seed).
     ``engine``: sample through it (synced with ``model``) instead of transformers on ``model``."""
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
@@ -72,11 +77,11 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: T
     correct, rewards, lengths, per_prompt = [], [], [], []
     with torch.random.fork_rng(devices=[]):
         for i, chunk in enumerate(_batches(examples, batch_size)):
-            out = sample_batch(model, engine, tokenizer, chunk, greedy)
+            out = sample_batch(model, engine, tokenizer, chunk, greedy, episode)
             correct += correct_all(task, out.completions, chunk)
             rewards += [task.reward(c, ex) for c, ex in zip(out.completions, chunk)]
             lengths += out.lengths.tolist()
-            samples = sample_batch(model, engine, tokenizer, chunk, sampled, group_size=k,
+            samples = sample_batch(model, engine, tokenizer, chunk, sampled, episode, group_size=k,
                                    seed=seed + i)
             hits = correct_all(task, samples.completions, samples.examples)
             per_prompt += [sum(hits[j * k:(j + 1) * k]) for j in range(len(chunk))]

@@ -32,6 +32,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from gspo.envs import Environment, Observation, Turn
+from gspo.rollout.generate import RolloutBatch
+from gspo.rollout.turns import observation_ids
+from gspo.tasks import Example
 
 ENDS = ("done", "no_eos", "turns", "budget")
 
@@ -270,3 +273,68 @@ def collect_episodes(engine, tokenizer, examples, group_size: int, params, make_
     batch = to_tensors(rows, tokenizer.pad_token_id)
     batch.update(completions=[r.final_turn for r in rows], examples=row_examples)
     return batch, rows
+
+
+# ---------------------------------------------------------------------------- the episode
+def observer(tokenizer) -> Callable[[Observation], list[int]]:
+    """How observations become ids with ``tokenizer``: text encoded as is; messages rendered by its
+    chat template after the policy's end-of-turn token (``gspo.rollout.turns``), refused without one."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def observe(obs: Observation) -> list[int]:
+        if obs.text is not None:
+            return encode(obs.text)
+        if not has_template:
+            raise ValueError("the environment answered chat messages, but the tokenizer has no chat "
+                             "template: answer text (e.g. multiturn.call_format=bracket)")
+        return observation_ids(tokenizer, obs.messages, tokenizer.eos_token_id)
+
+    return observe
+
+
+def as_batch(batch: dict, device) -> RolloutBatch:
+    """``collect_episodes``' tensors and rows as a ``RolloutBatch`` on ``device``."""
+    return RolloutBatch(
+        input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+        response_mask=batch["response_mask"].to(device), truncated=batch["truncated"].to(device),
+        completions=batch["completions"], examples=batch["examples"],
+        rollout_logp=batch["rollout_logp"].to(device))
+
+
+@dataclass
+class ToolLoop:
+    """The multi-turn episode (``gspo.rollout.episodes``' second): every trajectory runs in its own
+    environment from ``make_env(example)`` under ``budgets``; ``metrics`` holds the last batch's
+    ``episode_metrics``. The sampler's log-probs are always kept (they are free, and the policy
+    tokens' log-probs are the ones the corrections and the tests read)."""
+
+    make_env: Callable[[Example], Environment]
+    budgets: Budgets
+    metrics: dict = field(default_factory=dict)
+    runner: object = None
+    """The tools' runner the environments share (closed at the end of the run), if any."""
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+    def __call__(self, sampler, tokenizer, examples, params, *, group_size, seed,
+                 with_logprobs) -> RolloutBatch:
+        batch, rows = collect_episodes(sampler, tokenizer, examples, group_size, params,
+                                       self.make_env, observer(tokenizer), self.budgets, seed)
+        self.metrics = episode_metrics(rows)
+        return as_batch(batch, sampler.device)
+
+    def demonstrations(self, tokenizer, examples, device) -> RolloutBatch:
+        """Multi-turn SFT rows of ``examples`` (their ``data["turns"]``, else the answer as one
+        turn) through their environments: the loss mask is the policy's turns only."""
+        prompts = [tokenizer(ex.prompt)["input_ids"] for ex in examples]
+        turns = [ex.data.get("turns") or [ex.answer] for ex in examples]
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        rows = demonstrations(prompts, turns, [self.make_env(ex) for ex in examples],
+                              observer(tokenizer), encode, decode, tokenizer.eos_token_id, self.budgets)
+        batch = to_tensors(rows, tokenizer.pad_token_id)
+        batch.update(completions=[r.final_turn for r in rows], examples=list(examples))
+        return as_batch(batch, device)

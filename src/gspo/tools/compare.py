@@ -234,7 +234,7 @@ def _command(kind: str, config_file: Path) -> list[str]:
 def _cold_start_key(cfg: TrainConfig) -> str | None:
     if cfg.model.path or not cfg.sft.enabled or cfg.sft.steps == 0:
         return None
-    key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)
+    key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed, cfg.multiturn)
     return None if cached_checkpoint(cfg.sft.cache_dir, key) else key
 
 

@@ -42,8 +42,10 @@ def sft_loss(model, batch, chunk_size: int = 1024) -> torch.Tensor:
 
 
 def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed: int,
-              progress: bool = True, desc: str = "sft") -> list[dict]:
-    """Run ``cfg.steps`` AdamW steps on shuffled demonstrations; returns per-step metrics."""
+              progress: bool = True, desc: str = "sft", demonstrations=None) -> list[dict]:
+    """Run ``cfg.steps`` AdamW steps on shuffled demonstrations; returns per-step metrics.
+    ``demonstrations(tokenizer, examples, device)``: how a batch of them is laid out (default:
+    prompt + answer + EOS; a multi-turn episode's: the turns through the environment)."""
     if cfg.n_examples:
         examples = examples[:cfg.n_examples]
     device = next(model.parameters()).device
@@ -59,7 +61,9 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
             rng.shuffle(fresh)
             order += fresh
         idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
-        batch = demonstration_batch(tokenizer, [examples[i] for i in idx], device)
+        chosen = [examples[i] for i in idx]
+        batch = (demonstration_batch(tokenizer, chosen, device) if demonstrations is None
+                 else demonstrations(tokenizer, chosen, device))   # multi-turn: policy turns only
         loss = sft_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -85,15 +89,18 @@ def library_versions() -> list[str]:
     return [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
 
 
-def cache_key(model_cfg, task_cfg, sft_cfg: SFTConfig, seed: int) -> str:
+def cache_key(model_cfg, task_cfg, sft_cfg: SFTConfig, seed: int, multiturn_cfg=None) -> str:
     """The cold start's cache entry: its model, training data, SFT settings and seed, and the
-    ``library_versions`` that train it (not the CPU: a cache stays on its machine)."""
+    ``library_versions`` that train it (not the CPU: a cache stays on its machine); with an
+    environment (``multiturn.env``) its section too, since it writes the demonstrations'
+    observations (without one the key is what it always was)."""
     sft = sft_cfg.model_dump(exclude={"cache_dir", "enabled"})
     task = task_cfg.model_dump(exclude=NOT_TRAINING_DATA)
     train_file = getattr(task_cfg, "train_file", None)  # custom data: its content, not only its path
     data = [hashlib.sha256(Path(train_file).read_bytes()).hexdigest()] if train_file else []
     model = model_cfg.model_dump(exclude={"lora"})  # adapters attach after the cold start
-    return config_hash(model, task, sft, seed, *data, *library_versions())
+    episode = [multiturn_cfg.model_dump()] if multiturn_cfg is not None and multiturn_cfg.env else []
+    return config_hash(model, task, sft, seed, *data, *library_versions(), *episode)
 
 
 def cached_checkpoint(cache_dir: str | Path, key: str) -> Path | None:
@@ -122,7 +129,7 @@ def save_cold_start(model, tokenizer, cache_dir: str | Path, key: str, info: dic
     return final
 
 
-def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
+def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True, episode=None):
     """The policy RL starts from: model.path, or a preset cold-started by SFT (cached).
     Returns (model on its device, tokenizer, what it is: source, SFT steps and loss, checkpoint)."""
     dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
@@ -134,7 +141,7 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
                                        tokenizer)
     info: dict = {"source": cfg.model.path or f"preset:{cfg.model.preset}"}
     if cfg.sft.enabled and cfg.sft.steps > 0:
-        key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed)
+        key = cache_key(cfg.model, cfg.task, cfg.sft, cfg.seed, cfg.multiturn)
         hit = cached_checkpoint(cfg.sft.cache_dir, key)
         if hit is not None:
             log(f"cold start: reusing cached SFT checkpoint {hit}")
@@ -145,7 +152,8 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True):
             model.to(device)
             t0 = time.time()
             history = train_sft(model, tokenizer, task.split("train"), cfg.sft, seed=cfg.seed,
-                                progress=progress)
+                                progress=progress,
+                                demonstrations=getattr(episode, "demonstrations", None))
             info = {**info, "sft_steps": cfg.sft.steps, "sft_final_loss": history[-1]["sft/loss"],
                     "sft_seconds": time.time() - t0, "cache_key": key}
             with writing("the cold-start checkpoint", Path(cfg.sft.cache_dir) / key):  # disk full

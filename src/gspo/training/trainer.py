@@ -32,11 +32,13 @@ from gspo.rewards.isolation import isolated_rewards
 from gspo.rollout.collect import Collector, DataCursor
 from gspo.rollout.data import build_task, eval_examples
 from gspo.rollout.evaluation import EvalResult, evaluate
+from gspo.rollout.turns import check_template
 from gspo.training import algorithms, dist_checkpoint, distributed, lora, provenance
 from gspo.storage import write_atomic, writing
 from gspo.training.checkpoint import load_latest
 from gspo.training.batch_source import build_source
 from gspo.training.cold_start import initial_policy, prepare_policy
+from gspo.training.episodes import build_episode
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
 from gspo.training.rundir import RunLock, claim
@@ -62,6 +64,7 @@ class Trainer:
         self.task = build_task(cfg)
         self.train_set, self.test_set = self.task.split("train"), eval_examples(self.task, cfg)
         self.rewards = isolated_rewards(cfg.rewards, self.task)
+        self.episode = build_episode(cfg)           # single turn, or multiturn's tool loop
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -73,7 +76,9 @@ class Trainer:
         self.logging_s = 0.0                        # writing the last metrics row (time/logging_s)
         with self.dist.main_first():                # rank 0 fills the SFT cache, the others read it
             self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
-                                                                        self.progress)
+                                                                        self.progress, self.episode)
+        if cfg.multiturn.env is not None and getattr(self.tokenizer, "chat_template", None):
+            check_template(self.tokenizer, self.tokenizer.eos_token_id)   # refused in one line
         self.device = next(self.model.parameters()).device
         self.model = prepare_policy(self.model, self.tokenizer, cfg, self.run_dir,  # LoRA, act. ckpt
                                     self.dist.on_main, self.init_info)
@@ -102,7 +107,8 @@ class Trainer:
             self.model, self.tokenizer, self.optimizer, self.scheduler, self.device, self.train_set,
             self.ref_model, passes, self.dist))     # ppo: the critic, from the policy
         self.collector = Collector(cfg, self.model, self.tokenizer, self.task, self.train_set,
-                                   self.cursor, self.rewards, self.dist, self.device)
+                                   self.cursor, self.rewards, self.dist, self.device,
+                                   episode=self.episode)
         recorder = Recorder.for_run(cfg, self.run_dir, self.model, self.tokenizer,
                                     self.collector.sampling)
         self.rollouts = build_source(cfg, self.collector, passes, log=self.log,  # now, or ahead
@@ -177,7 +183,8 @@ class Trainer:
                 self.model, self.tokenizer, self.task, self.test_set,
                 max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
                 temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
-                engine=self.collector.eval_engine()))   # vllm: the same engine; hf: the policy
+                engine=self.collector.eval_engine(),    # vllm: the same engine; hf: the policy
+                episode=None if self.cfg.multiturn.env is None else self.episode))
 
     def wall(self) -> float:
         """Seconds of training so far, over all resumed sessions."""
@@ -200,6 +207,8 @@ class Trainer:
                 self.rollouts.close()                        # async: the worker stopped and joined
             if getattr(self, "collector", None) is not None:
                 self.collector.close()                       # vllm: its engine core released
+            if hasattr(self.episode, "close"):
+                self.episode.close()                         # multiturn: the tools' sandboxes
             if self.run_lock is not None:   # another process may write this run now
                 self.run_lock.release()
 

@@ -1,0 +1,33 @@
+"""The run's episode from its config: single-turn rollouts, or the tool loop of ``multiturn``
+(its environment per trajectory, its tools' runner, its budgets). Built once per run, before the
+cold start, whose multi-turn demonstrations run through the same environments."""
+
+from __future__ import annotations
+
+from gspo import envs
+from gspo.envs.tools import ToolRunner
+from gspo.rewards.sandbox import Limits
+from gspo.rollout.episodes import SingleTurn
+from gspo.rollout.multiturn import Budgets, ToolLoop
+
+
+def tool_runner(cfg) -> ToolRunner | None:
+    """``multiturn.tools`` loaded and checked (None without them); sandboxed when asked."""
+    m = cfg.multiturn
+    if not m.tools:
+        return None
+    limits = Limits(wall_s=m.timeout_s, cpu_s=m.sandbox_cpu_s, memory_mb=m.sandbox_memory_mb,
+                    key="multiturn.sandbox") if m.sandbox else None
+    return ToolRunner(m.tools, sandbox=limits, timeout_s=m.timeout_s, on_tool_error=m.on_tool_error)
+
+
+def build_episode(cfg):
+    """``SingleTurn`` when ``multiturn.env`` is None, else a ``ToolLoop`` over its environment."""
+    m = cfg.multiturn
+    if m.env is None:
+        return SingleTurn()
+    runner = tool_runner(cfg)
+    params = {"runner": runner, "call_format": m.call_format} if m.env == "tools" else dict(m.params)
+    budgets = Budgets(max_turns=m.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
+                      max_total_tokens=m.max_total_tokens, max_observation_tokens=m.max_observation_tokens)
+    return ToolLoop(lambda example: envs.build(m.env, example, **params), budgets, runner=runner)
