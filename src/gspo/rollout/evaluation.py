@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.rewards.isolation import correct_all
 from gspo.rollout import engines
-from gspo.rollout.generate import RolloutBatch, SamplingParams, generate
+from gspo.rollout.generate import RolloutBatch, SamplingParams
 from gspo.tasks import Example, Task
 
 
@@ -53,16 +53,13 @@ def _batches(items: list, size: int):
         yield items[start:start + size]
 
 
-def sample_batch(model: PreTrainedModel, engine: engines.Engine | None,
-                 tokenizer: PreTrainedTokenizerBase, examples: list[Example], params: SamplingParams,
-                 episode=None, **kwargs) -> RolloutBatch:
-    """Responses to ``examples`` from ``engine`` if given, else transformers on ``model``; with an
-    ``episode`` (multi-turn), whole trajectories through it, the final turn scored."""
+def sample_batch(engine: engines.Engine, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
+                 params: SamplingParams, episode=None, **kwargs) -> RolloutBatch:
+    """Responses to ``examples`` through ``engine``; with an ``episode`` (multi-turn), whole
+    trajectories through it, the final turn scored."""
     if episode is not None:
         return episode(engine, tokenizer, examples, params, group_size=kwargs.get("group_size", 1),
                        seed=kwargs.get("seed"), with_logprobs=False)
-    if engine is None:
-        return generate(model, tokenizer, examples, params, **kwargs)
     return engines.generate_batch(engine, tokenizer, examples, params, **kwargs)
 
 
@@ -70,18 +67,20 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: T
              examples: list[Example], *, max_new_tokens: int, k: int = 4, temperature: float = 1.0,
              batch_size: int = 256, seed: int = 0, engine: engines.Engine | None = None,
              episode=None) -> EvalResult:
-    """Greedy accuracy plus k-sample pass@1 / pass@k on ``examples`` (deterministic in seed).
-    ``engine``: sample through it (synced with ``model``) instead of transformers on ``model``."""
+    """Greedy accuracy plus k-sample pass@1 / pass@k on ``examples`` (deterministic in seed),
+    sampled through ``engine`` (its weights ``model``'s; None: an hf engine on ``model``), and
+    through ``episode`` when given (multi-turn: whole trajectories)."""
+    engine = engine or engines.build("hf", model, tokenizer)
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     correct, rewards, lengths, per_prompt = [], [], [], []
     with torch.random.fork_rng(devices=[]):
         for i, chunk in enumerate(_batches(examples, batch_size)):
-            out = sample_batch(model, engine, tokenizer, chunk, greedy, episode)
+            out = sample_batch(engine, tokenizer, chunk, greedy, episode)
             correct += correct_all(task, out.completions, chunk)
             rewards += [task.reward(c, ex) for c, ex in zip(out.completions, chunk)]
             lengths += out.lengths.tolist()
-            samples = sample_batch(model, engine, tokenizer, chunk, sampled, episode, group_size=k,
+            samples = sample_batch(engine, tokenizer, chunk, sampled, episode, group_size=k,
                                    seed=seed + i)
             hits = correct_all(task, samples.completions, samples.examples)
             per_prompt += [sum(hits[j * k:(j + 1) * k]) for j in range(len(chunk))]
