@@ -306,8 +306,8 @@ def as_batch(batch: dict, device) -> RolloutBatch:
 class ToolLoop:
     """The multi-turn episode (``gspo.rollout.episodes``' second): every trajectory runs in its own
     environment from ``make_env(example)`` under ``budgets``; ``metrics`` holds the last batch's
-    ``episode_metrics``. The sampler's log-probs are always kept (they are free, and the policy
-    tokens' log-probs are the ones the corrections and the tests read)."""
+    ``episode_metrics``. Each turn is sampled with its log-probs; the batch carries them only when
+    asked (``with_logprobs``), as the single turn does."""
 
     make_env: Callable[[Example], Environment]
     budgets: Budgets
@@ -324,7 +324,10 @@ class ToolLoop:
         batch, rows = collect_episodes(sampler, tokenizer, examples, group_size, params,
                                        self.make_env, observer(tokenizer), self.budgets, seed)
         self.metrics = episode_metrics(rows)
-        return as_batch(batch, sampler.device)
+        out = as_batch(batch, sampler.device)
+        if not with_logprobs:   # sampled with them (each turn), handed on only when asked for
+            out.rollout_logp = None
+        return out
 
     def demonstrations(self, tokenizer, examples, device) -> RolloutBatch:
         """Multi-turn SFT rows of ``examples`` (their ``data["turns"]``, else the answer as one

@@ -1,0 +1,79 @@
+"""The tool loop in training: the multiturn section's refusals (one line, before anything is
+built), an environment that ends after the first turn trains bit for bit like the single-turn
+run, and a short calculator run with its tool moves the multiturn/* metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import parity_rewards
+from gspo.config import ConfigError, load_config
+from gspo.observe.metrics import read_metrics
+from gspo.training.trainer import Trainer
+
+TOOLS = ["multiturn.env=tools", "multiturn.tools=[gspo.tasks.tooluse:calc]", "multiturn.call_format=bracket"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["multiturn.env=nope"], "multiturn.env: unknown environment 'nope'; valid: guess, single, tools"),
+    (["multiturn.env=no_such_mod:Env"], "cannot import environment 'no_such_mod:Env': ModuleNotFoundError"),
+    (["multiturn.env=tools"], "multiturn.env=tools needs multiturn.tools"),
+    (["multiturn.env=tools", "multiturn.tools=[gspo.tasks.tooluse:nope]"], "has no attribute 'nope'"),
+    (["multiturn.env=tools", "multiturn.tools=[gspo.tasks.tooluse:final_answer]"],
+     "the return must be annotated"),
+    ([*TOOLS, "objective.name=ppo"], "does not work with objective.name=ppo"),
+    ([*TOOLS, "model.preset=tiny-moe", "moe.routing_replay=rollout"], "does not work with moe.routing_replay=rollout"),
+    ([*TOOLS, "rollout.async=true"], "does not work with rollout.async"),
+    (["multiturn.call_format=xml"], "unknown tool call format 'xml'; valid: bracket, hermes"),
+])
+def test_refusals(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_template_that_is_not_prefix_preserving_is_refused_at_set_up(make_cfg, reward_module, tmp_path):
+    from gspo.rollout.turns import TemplateError
+    cfg = make_cfg("sft.enabled=false", parity_rewards(reward_module), "model.tokenizer=bpe", "task.chat=true",
+                   "multiturn.env=single", "task.n_train=40")
+    trainer = Trainer(cfg, log=lambda m: None)
+    trainer.task.tokenizer.chat_template = (   # strips <think> from earlier assistant turns
+        "{%- for message in messages %}{%- set c = message['content'] %}"
+        "{%- if message['role'] == 'assistant' and not loop.last and '</think>' in c %}"
+        "{%- set c = c.split('</think>')[-1].lstrip() %}{%- endif %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    with pytest.raises(TemplateError, match="not prefix-preserving"):
+        trainer.setup()
+
+
+def _run(make_cfg, reward_module, *overrides, run):
+    cfg = make_cfg(parity_rewards(reward_module), "train.steps=2", *overrides, run=run)
+    Trainer(cfg, log=lambda m: None).run()
+    rows = [{k: v for k, v in r.items() if not k.startswith(("time/", "multiturn/"))}
+            for r in read_metrics(cfg.run.dir)]
+    weights = load_file(f"{cfg.run.dir}/checkpoints/step_000002/model.safetensors")
+    return rows, weights
+
+
+def test_an_environment_that_ends_after_the_first_turn_is_the_single_turn_run(make_cfg, reward_module):
+    """multiturn.env=single goes through the tool loop (SFT demonstrations, rollouts, evaluation)
+    and gives the single-turn run's metrics and weights bit for bit."""
+    rows, weights = _run(make_cfg, reward_module, "run.save_every=2", run="plain")
+    rows_mt, weights_mt = _run(make_cfg, reward_module, "run.save_every=2", "multiturn.env=single",
+                               run="single")
+    assert rows_mt == rows
+    assert weights_mt.keys() == weights.keys()
+    assert all(torch.equal(weights_mt[k], weights[k]) for k in weights)
+
+
+def test_a_calculator_run_calls_its_tool_and_logs_the_episode(make_cfg):
+    cfg = make_cfg("task.name=calculator", "task.params={digits: 2, call_fraction: 1.0}", *TOOLS,
+                   "rollout.max_new_tokens=16", "multiturn.max_total_tokens=40", "sft.steps=60",
+                   "rewards.sources=[{type: verifier}]")
+    Trainer(cfg, log=lambda m: None).run()
+    row = read_metrics(cfg.run.dir)[1]
+    assert row["multiturn/tool_call_rate"] > 0 and row["multiturn/env_tokens_mean"] > 0
+    assert row["multiturn/turns_mean"] > 1
+    assert sum(row[f"multiturn/end_{e}"] for e in ("done", "no_eos", "turns", "budget")) == pytest.approx(1)
