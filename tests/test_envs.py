@@ -138,7 +138,7 @@ def test_environments_registry_and_user_classes():
     assert envs.build("single", tasks.Example("q", "a")).step(envs.Turn("x")).observation is None
     with pytest.raises(ValueError, match="unknown environment 'nope'; valid environments: guess, single, tools"):
         envs.build("nope", tasks.Example("q", "a"))
-    with pytest.raises(ValueError, match="cannot import environment 'no_such_mod:Env': ModuleNotFoundError"):
+    with pytest.raises(ValueError, match="environment 'no_such_mod:Env': cannot import module 'no_such_mod'"):
         envs.check("no_such_mod:Env", {})
     with pytest.raises(ValueError, match="unexpected argument"):
         envs.check("single", {"budget": 3})

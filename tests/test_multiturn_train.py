@@ -18,7 +18,7 @@ TOOLS = ["multiturn.env=tools", "multiturn.tools=[gspo.tasks.tooluse:calc]", "mu
 
 @pytest.mark.parametrize("overrides, message", [
     (["multiturn.env=nope"], "multiturn.env: unknown environment 'nope'; valid: guess, single, tools"),
-    (["multiturn.env=no_such_mod:Env"], "cannot import environment 'no_such_mod:Env': ModuleNotFoundError"),
+    (["multiturn.env=no_such_mod:Env"], "environment 'no_such_mod:Env': cannot import module 'no_such_mod'"),
     (["multiturn.env=tools"], "multiturn.env=tools needs multiturn.tools"),
     (["multiturn.env=tools", "multiturn.tools=[gspo.tasks.tooluse:nope]"], "has no attribute 'nope'"),
     (["multiturn.env=tools", "multiturn.tools=[gspo.tasks.tooluse:final_answer]"],

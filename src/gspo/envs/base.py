@@ -20,12 +20,12 @@ text out; the rollout loop (``gspo.rollout``) owns the ids, the masks and the bu
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
 from gspo.registry import Registry
 from gspo.tasks.base import Example, call_kwargs
+from gspo.tasks.custom import load_function
 
 
 @dataclass(frozen=True)
@@ -96,16 +96,10 @@ def factory(name: str) -> Callable[..., Environment]:
     """The class of a built-in environment, or ``module:Class`` imported (ValueError, one line)."""
     if ":" not in name:
         return _REGISTRY.get(name)
-    module, _, attr = name.partition(":")
     try:
-        obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except Exception as err:  # noqa: BLE001  the user's module, whatever it raises
-        raise ValueError(f"cannot import environment {name!r}: {type(err).__name__}: {err}") from None
-    if not callable(obj):
-        raise ValueError(f"environment {name!r} is not a class or factory ({type(obj).__name__})")
-    return obj
+        return load_function(name)      # the one resolver of module:attribute specs
+    except ValueError as err:
+        raise ValueError(f"environment {name!r}: {err}") from None
 
 
 def check(name: str, params: dict) -> None:
