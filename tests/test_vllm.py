@@ -109,6 +109,40 @@ def test_a_quantised_engine_samples_with_the_rounded_weights(dense, fmt):
         engine.update_weights(model.state_dict(), None)
 
 
+def test_multiturn_logprobs_equal_the_trainers_on_policy_tokens(dense):
+    """The tool loop through vLLM: every row gets an observation after each turn that ends with
+    EOS; vLLM's log-probs on the policy tokens of the holed batch equal the trainer's forward
+    (attention on every real token) as in a single turn."""
+    from gspo.envs import Observation, Reply
+    from gspo.rollout.multiturn import Budgets, collect_episodes, text_observer
+    model, tok, engine = dense
+    engine.update_weights(model.state_dict(), None)
+
+    class Answer:
+        def __init__(self, example):
+            self.n = 0
+
+        def step(self, turn):
+            self.n += 1
+            return Reply(Observation(text=f"={self.n};"))
+
+        def reward(self):
+            return None
+
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    examples = [Example(prompt=p, answer="") for p in PROMPTS]
+    batch, rows = collect_episodes(engine, tok, examples, G, SamplingParams(max_new_tokens=NEW, temperature=0.8),
+                                   Answer, text_observer(enc), Budgets(max_turns=3, max_new_tokens=NEW,
+                                                                      max_total_tokens=40), seed=3)
+    policy = batch["response_mask"]
+    assert (policy == 0).any() and sum(r.observation_tokens > 0 for r in rows) > 0   # holes
+    with torch.no_grad():
+        trainer = response_logprobs(model, batch["input_ids"], batch["attention_mask"], policy,
+                                    temperature=0.8, with_entropy=False).logp
+    on = policy > 0
+    assert (trainer[on] - batch["rollout_logp"][on]).abs().max() < 1e-5
+
+
 def test_sampling_is_reproducible_for_a_seed(dense):
     _, tok, engine = dense
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0)
