@@ -25,7 +25,7 @@ TOOLS = ["multiturn.env=tools", "multiturn.tools=[gspo.tasks.tooluse:calc]", "mu
      "the return must be annotated"),
     ([*TOOLS, "objective.name=ppo"], "does not work with objective.name=ppo"),
     ([*TOOLS, "model.preset=tiny-moe", "moe.routing_replay=rollout"], "does not work with moe.routing_replay=rollout"),
-    ([*TOOLS, "rollout.async=true"], "does not work with rollout.async"),
+    ([*TOOLS, "rollout.async=true", "multiturn.sandbox=true"], "does not work with rollout.async_worker=process"),
     (["multiturn.call_format=xml"], "unknown tool call format 'xml'; valid: bracket, hermes"),
 ])
 def test_refusals(overrides, message):
@@ -77,3 +77,42 @@ def test_a_calculator_run_calls_its_tool_and_logs_the_episode(make_cfg):
     assert row["multiturn/tool_call_rate"] > 0 and row["multiturn/env_tokens_mean"] > 0
     assert row["multiturn/turns_mean"] > 1
     assert sum(row[f"multiturn/end_{e}"] for e in ("done", "no_eos", "turns", "budget")) == pytest.approx(1)
+
+
+def test_resume_with_an_environment_is_exact(make_cfg, tmp_path):
+    """Stopped after step 2 of 3 and resumed: step 3 repeats the uninterrupted run (metrics and
+    weights); the environments are rebuilt per trajectory, so no state of theirs is lost."""
+    import shutil
+    from gspo.models.presets import load_model
+    overrides = ["task.name=calculator", "task.params={digits: 2, call_fraction: 1.0}", *TOOLS,
+                 "rollout.max_new_tokens=16", "multiturn.max_total_tokens=40", "sft.steps=40",
+                 "rewards.sources=[{type: verifier}]", "train.steps=3", "run.save_every=1"]
+    cfg = make_cfg(*overrides)
+    Trainer(cfg, log=lambda m: None).run()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(cfg.run.dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000003")
+    (resumed / "summary.json").unlink()
+    again = make_cfg(*overrides, run="resumed")
+    Trainer(again, resume=True, log=lambda m: None).run()
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    assert strip(read_metrics(resumed)) == strip(read_metrics(cfg.run.dir))
+    a, _ = load_model(resumed / "checkpoints" / "step_000003")
+    b, _ = load_model(f"{cfg.run.dir}/checkpoints/step_000003")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_async_at_staleness_zero_with_an_environment_is_the_synchronous_run(make_cfg, worker):
+    overrides = ["task.name=calculator", "task.params={digits: 2, call_fraction: 1.0}", *TOOLS,
+                 "rollout.max_new_tokens=16", "multiturn.max_total_tokens=40", "sft.steps=40",
+                 "rewards.sources=[{type: verifier}]", "train.steps=3"]
+    sync = make_cfg(*overrides, run="sync")
+    Trainer(sync, log=lambda m: None).run()
+    lagged = make_cfg(*overrides, "rollout.async=true", "rollout.max_staleness=0",
+                      f"rollout.async_worker={worker}", run=f"async-{worker}")
+    Trainer(lagged, log=lambda m: None).run()
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "async/"))}
+                          for r in rows]
+    a, b = strip(read_metrics(sync.run.dir)), strip(read_metrics(lagged.run.dir))
+    assert a == b

@@ -274,7 +274,9 @@ def multiturn(out: Resolved, env: Environment) -> None:
                                     "observations included)"),
         (c.moe.routing_replay == "rollout", "moe.routing_replay=rollout (the experts of several "
                                             "turns' generations are not laid out as one trajectory yet)"),
-        (c.rollout.async_, "rollout.async (the worker does not run environments yet)"),
+        (c.rollout.async_ and m.sandbox and c.rollout.async_worker == "process",
+         "rollout.async_worker=process with multiturn.sandbox (the tools' sandbox workers stay in "
+         "the trainer's process; use rollout.async_worker=thread)"),
         (c.audit.every > 0, "audit.every (the audit's mask rules are the single-turn ones)"),
         (c.objective.name in ("dpo", "sft"), f"objective.name={c.objective.name}"),
     ]

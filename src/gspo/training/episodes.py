@@ -4,6 +4,8 @@ cold start, whose multi-turn demonstrations run through the same environments.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gspo import envs
 from gspo.envs.tools import ToolRunner
 from gspo.rewards.sandbox import Limits
@@ -21,6 +23,18 @@ def tool_runner(cfg) -> ToolRunner | None:
     return ToolRunner(m.tools, sandbox=limits, timeout_s=m.timeout_s, on_tool_error=m.on_tool_error)
 
 
+@dataclass(frozen=True)
+class EnvFactory:
+    """``factory(example)``: a fresh environment ``name`` with ``params`` (picklable, so that an
+    asynchronous worker process gets the episode with the collector)."""
+
+    name: str
+    params: dict
+
+    def __call__(self, example):
+        return envs.build(self.name, example, **self.params)
+
+
 def build_episode(cfg):
     """``SingleTurn`` when ``multiturn.env`` is None, else a ``ToolLoop`` over its environment."""
     m = cfg.multiturn
@@ -30,4 +44,4 @@ def build_episode(cfg):
     params = {"runner": runner, "call_format": m.call_format} if m.env == "tools" else dict(m.params)
     budgets = Budgets(max_turns=m.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
                       max_total_tokens=m.max_total_tokens, max_observation_tokens=m.max_observation_tokens)
-    return ToolLoop(lambda example: envs.build(m.env, example, **params), budgets, runner=runner)
+    return ToolLoop(EnvFactory(m.env, params), budgets, runner=runner)
