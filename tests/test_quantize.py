@@ -122,3 +122,21 @@ def test_r3_with_a_quantised_sampler_replays_the_samplers_experts(make_cfg, rewa
     rate, _ = moe.routing_change_rate(moe.response_routing(sampled, T),
                                       moe.response_routing(own.routing, T), batch.response_mask)
     assert rate > 0                                                      # the precision moved routing
+
+
+def test_a_moe_sampler_copy_logs_its_routing_disagreement_with_the_trainer(make_cfg, reward_module):
+    """wide-moe with an fp8 sampler (no replay): moe/sampler_trainer_disagreement every step, the
+    share of (token, layer) pairs whose experts differ between the copy and the trainer; a float32
+    policy sampled by itself logs none."""
+    from conftest import parity_rewards
+    from gspo.observe.metrics import read_metrics
+    from gspo.training.trainer import Trainer
+    cfg = make_cfg("sft.enabled=false", parity_rewards(reward_module), "model.preset=wide-moe",
+                   "rollout.quantize=fp8", "train.steps=2", run="fp8")
+    Trainer(cfg, log=lambda m: None).run()
+    rows = read_metrics(cfg.run.dir)[1:]
+    assert all(0 < r["moe/sampler_trainer_disagreement"] < 1 for r in rows)
+    plain = make_cfg("sft.enabled=false", parity_rewards(reward_module), "model.preset=wide-moe",
+                     "train.steps=1", run="plain")
+    Trainer(plain, log=lambda m: None).run()
+    assert "moe/sampler_trainer_disagreement" not in read_metrics(plain.run.dir)[1]

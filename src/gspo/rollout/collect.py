@@ -138,6 +138,8 @@ class Collector:
     """How the prompts become trajectories through the engine (gspo.rollout.episodes)."""
     evaluator: engines.Engine | None = None
     """hf: the engine on the policy itself that evaluation samples through (``eval_engine``)."""
+    routing_stats: dict = field(default_factory=dict)
+    """The last generation's moe/sampler_trainer_disagreement (a MoE sampler copy; else empty)."""
     keep_logprobs: bool = False
     """Ask the sampler for its log-probs even when the config does not (the async worker takes
     them as the behaviour policy's, gspo.training.async_rollout.sampler_is_behaviour)."""
@@ -161,7 +163,7 @@ class Collector:
             r = self.cfg.rollout
             settings = {"dtype": None if r.dtype == "model" else DTYPES[r.dtype],
                         "seed": self.cfg.seed, "enable_sleep_mode": r.engine_sleep,
-                        "share_prompts": self.cfg.moe.routing_replay != "rollout",  # a capture
+                        "share_prompts": not self.captures_at_generation(),  # a capture sees all rows
                         "quantize": r.quantize}
             self.engine = engines.build(r.engine, self.model, self.tokenizer,     # sees all N rows
                                         **engines.options_for(r.engine, settings))
@@ -212,15 +214,45 @@ class Collector:
                          or cfg.train.rollout_correction.mode != "none" or engine.always_logprobs
                          or self.keep_logprobs or cfg.rollout.quantize is not None)  # its mismatch
 
-        capture = cfg.moe.routing_replay == "rollout"         # (an engine with a module: hf)
+        replay = cfg.moe.routing_replay == "rollout"          # (an engine with a module: hf)
+        capture = replay or self.measures_routing(engine)
         with moe.capture_routing(engine.module) if capture else contextlib.nullcontext() as cap, \
                 self.shards.full_params():      # fsdp: gathered, so ranks may generate unequal lengths
             batch = self.episode(engine, self.tokenizer, examples, self.sampling,
                                  group_size=cfg.rollout.group_size, seed=seed,
                                  with_logprobs=with_logprobs)
         if capture:
-            batch.routing = cap.generated_routing(batch.input_ids.shape[1])  # [N, L, layers, k]
+            sampled = cap.generated_routing(batch.input_ids.shape[1])     # [N, L, layers, k]
+            if replay:
+                batch.routing = sampled
+            if self.measures_routing(engine):
+                self.routing_stats = self.routing_disagreement(batch, sampled)
         return batch
+
+    def captures_at_generation(self) -> bool:
+        """Experts captured while sampling: R3 (moe.routing_replay=rollout), or a MoE policy
+        sampled by a copy (its disagreement with the trainer measured)."""
+        r = self.cfg.rollout
+        copy = r.quantize is not None or r.dtype not in ("model", self.cfg.model.dtype)
+        return self.cfg.moe.routing_replay == "rollout" or (copy and moe.supports_moe(self.model))
+
+    def measures_routing(self, engine: engines.Engine) -> bool:
+        """A MoE policy sampled by a copy of its own (rollout.dtype, rollout.quantize) on hf: the
+        copy's experts are captured and compared with the trainer's (``routing_disagreement``)."""
+        return (engine.module is not None and engine.module is not self.model
+                and moe.supports_moe(self.model))
+
+    @torch.no_grad()
+    def routing_disagreement(self, batch: RolloutBatch, sampled: torch.Tensor) -> dict:
+        """moe/sampler_trainer_disagreement: the share of (response token, layer) pairs whose
+        top-k experts differ between the sampler copy and the trainer's own router on the same
+        tokens (one forward of the trainer, no replay); the R3 paper's "routers that differ"."""
+        with moe.capture_routing(self.model) as own:
+            self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        T = batch.response_mask.shape[1]
+        rate, _ = moe.routing_change_rate(moe.response_routing(sampled, T),
+                                          moe.response_routing(own.routing, T), batch.response_mask)
+        return {"moe/sampler_trainer_disagreement": rate.item()}
 
     def collect(self, step: int, version: int | None = None
                 ) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
@@ -253,6 +285,7 @@ class Collector:
             if first_stats is None:
                 first_stats = reward_stats(self.task, batch, rewards, result.per_source, G)
                 first_stats.update(getattr(self.episode, "metrics", {}))   # multiturn/*
+                first_stats.update(self.routing_stats)                    # a MoE sampler copy
             if not cfg.train.dynamic_sampling:
                 return batch, rewards, {**first_stats, **extra}
             keep = rewards.view(-1, G).std(-1) > 0                          # [P]
