@@ -5,7 +5,8 @@ MoE preset x learning rate x sampler precision, each a `gspo train` of configs/m
 sampler's log-probs logged (train.log_rollout_logprobs) and no correction. Per cell: the mean
 routing change per RL step (moe/routing_change_rate), the share of policy tokens whose
 sampler/trainer probability ratio is beyond 2 either way (mismatch/ratio_above_2_frac +
-ratio_below_half_frac), the mismatch KL, the gradient norm, and the held-out accuracy at the end.
+ratio_below_half_frac), the share of routers that differ between the sampler copy and the trainer
+(moe/sampler_trainer_disagreement), the mismatch KL, the gradient norm, and the held-out accuracy at the end.
 
 The gate, written down before the grid runs (docs/results.md, "Stability"): a cell reaches the
 regime when its routing change is at least 5% per update AND its ratio-beyond-2 share is at
@@ -66,6 +67,7 @@ def run_cell(preset: str, lr: str, precision: str, steps: int, out: Path, thread
     above, below = mean("mismatch/ratio_above_2_frac"), mean("mismatch/ratio_below_half_frac")
     evals = [r["eval/accuracy"] for r in rows if isinstance(r.get("eval/accuracy"), (int, float))]
     row.update({"routing_change": mean("moe/routing_change_rate"),
+                "sampler_disagreement": mean("moe/sampler_trainer_disagreement"),
                 "ratio_beyond_2": None if above is None else above + (below or 0.0),
                 "mismatch_kl": mean("mismatch/kl"), "grad_norm": mean("optim/grad_norm"),
                 "accuracy_start": evals[0] if evals else None, "accuracy_end": evals[-1] if evals else None})
@@ -81,13 +83,14 @@ def passes_gate(row: dict) -> bool:
 
 def table(rows: list[dict]) -> list[str]:
     f = lambda x, spec: "–" if x is None else format(x, spec)
-    lines = ["| cell | routing change | ratio beyond 2 | mismatch KL | grad norm | acc start -> end | gate |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| cell | routing change | sampler/trainer routing | ratio beyond 2 | mismatch KL | grad norm "
+             "| acc start -> end | gate |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['cell']} | error: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['cell']} | error: {r['error'][:80]} | | | | | | |")
             continue
-        lines.append(f"| {r['cell']} | {f(r['routing_change'], '.4f')} | {f(r['ratio_beyond_2'], '.2e')} | "
+        lines.append(f"| {r['cell']} | {f(r['routing_change'], '.4f')} | {f(r['sampler_disagreement'], '.4f')} | "
+                     f"{f(r['ratio_beyond_2'], '.2e')} | "
                      f"{f(r['mismatch_kl'], '.2e')} | {f(r['grad_norm'], '.2f')} | "
                      f"{f(r['accuracy_start'], '.3f')} -> {f(r['accuracy_end'], '.3f')} | "
                      f"{'**passes**' if r['gate'] else 'short'} |")
