@@ -116,3 +116,21 @@ def test_async_at_staleness_zero_with_an_environment_is_the_synchronous_run(make
                           for r in rows]
     a, b = strip(read_metrics(sync.run.dir)), strip(read_metrics(lagged.run.dir))
     assert a == b
+
+
+def test_the_cold_start_alone_trains_on_the_multiturn_demonstrations(make_cfg):
+    """`gspo sft` and `gspo compare`'s cold starts call initial_policy without the trainer: it
+    builds the run's episode itself, so a config with a tool trains a policy that calls it."""
+    from gspo.rollout import engines
+    from gspo.rollout.data import build_task
+    from gspo.rollout.generate import SamplingParams
+    from gspo.training.cold_start import initial_policy
+    from gspo.training.episodes import build_episode
+    cfg = make_cfg("task.name=calculator", "task.params={digits: 2, call_fraction: 1.0}", *TOOLS,
+                   "rollout.max_new_tokens=16", "multiturn.max_total_tokens=40", "sft.steps=60")
+    task = build_task(cfg)
+    model, tok, _ = initial_policy(cfg, task, log=lambda m: None, progress=False)
+    episode = build_episode(cfg)
+    episode(engines.build("hf", model, tok), tok, task.split("test")[:8],
+            SamplingParams(max_new_tokens=16, greedy=True), group_size=1, seed=0, with_logprobs=False)
+    assert episode.metrics["multiturn/tool_call_rate"] > 0.5
