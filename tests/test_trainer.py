@@ -396,3 +396,50 @@ def test_split_minibatches_by_groups_deals_whole_groups():
                zip(rows, split_minibatches(24, 4, torch.Generator().manual_seed(0), 1)))
     with pytest.raises(ValueError, match="whole groups"):
         split_minibatches(10, 2, torch.Generator(), group_size=4)
+
+
+# ------------------------------------------------------------------- the best checkpoint by validation
+
+def _scripted_evaluations(monkeypatch, test_acc: list[float], val_acc: list[float]) -> None:
+    """Trainer.evaluate returns these greedy accuracies in turn, per split (test, validation)."""
+    from gspo.rollout.evaluation import EvalResult
+    queues = {"test": list(test_acc), "validation": list(val_acc)}
+
+    def evaluate(self, examples=None):
+        split = "validation" if examples is self.val_set else "test"
+        n = len(self.val_set if split == "validation" else self.test_set)
+        return EvalResult(accuracy=queues[split].pop(0), pass1=0.0, pass_k=0.0, k=2,
+                          mean_reward=0.0, mean_length=1.0, n=n)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+
+
+@pytest.mark.parametrize("test_acc", [[0.3, 0.1, 0.6], [0.6, 0.1, 0.3]])
+def test_best_checkpoint_is_chosen_by_validation_not_test(make_cfg, reward_module, monkeypatch,
+                                                          test_acc):
+    # evaluations at steps 0, 1, 2: validation peaks at step 1, test elsewhere
+    _scripted_evaluations(monkeypatch, test_acc, val_acc=[0.2, 0.5, 0.4])
+    cfg = make_cfg("task.n_val=6", "run.eval_every=1", "run.save_every=1", _parity(reward_module))
+    trainer = Trainer(cfg, log=lambda m: None)
+    assert {e.prompt for e in trainer.val_set}.isdisjoint(e.prompt for e in trainer.test_set)
+    summary = trainer.run()
+    best = summary["best_validation"]
+    assert (best["step"], best["accuracy"], best["test_accuracy"]) == (1, 0.5, test_acc[1])
+    folder = Path(cfg.run.dir) / "best"
+    assert best["checkpoint"] == str(folder)
+    saved = load_model(folder)[0].state_dict()                 # the weights after step 1
+    step1 = load_model(Path(cfg.run.dir) / "checkpoints" / "step_000001")[0].state_dict()
+    assert _same_weights(saved, step1)
+    assert [r["val/accuracy"] for r in read_metrics(cfg.run.dir) if "val/accuracy" in r] == [0.2, 0.5, 0.4]
+    change = summary["accuracy_change"]
+    assert change["fell"] == (test_acc[2] < test_acc[0])
+    assert math.isclose(change["change"], test_acc[2] - test_acc[0])
+    assert json.loads((Path(cfg.run.dir) / "summary.json").read_text())["best_validation"] == best
+
+
+def test_no_validation_split_keeps_no_best(make_cfg, reward_module, monkeypatch):
+    _scripted_evaluations(monkeypatch, [0.5, 0.4], val_acc=[])
+    cfg = make_cfg(_parity(reward_module))                      # no task.n_val: no validation
+    summary = Trainer(cfg, log=lambda m: None).run()
+    assert summary["best_validation"] is None and not (Path(cfg.run.dir) / "best").exists()
+    assert summary["accuracy_change"]["fell"]
+    assert not any("val/accuracy" in r for r in read_metrics(cfg.run.dir))
