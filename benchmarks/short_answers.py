@@ -51,7 +51,21 @@ def arith(rng: random.Random) -> tuple[str, str]:
     return f"{a}{op}{b}=", str(a + b if op == "+" else a - b)
 
 
-SHAPES: dict[str, Callable[[random.Random], tuple[str, str]]] = {"rev": rev, "sort": sort, "succ": succ, "arith": arith}
+def ordered(rng: random.Random) -> tuple[str, str]:
+    w = sorted(rng.sample(string.ascii_lowercase, 3))
+    if rng.random() < 0.5:                            # half the words in order, half not
+        while w == sorted(w):
+            rng.shuffle(w)
+    w = "".join(w)
+    return f"ord {w}?", "yes" if w == "".join(sorted(w)) else "no"
+
+
+def before(rng: random.Random) -> tuple[str, str]:
+    w = "".join(rng.sample(string.ascii_lowercase, 3))
+    return f"bef {w}?", "yes" if w[0] < w[2] else "no"
+
+
+SHAPES: dict[str, Callable[[random.Random], tuple[str, str]]] = {"rev": rev, "sort": sort, "succ": succ, "arith": arith, "ordered": ordered, "before": before}
 
 
 def random_slip(c: str, rng: random.Random) -> str:
@@ -65,11 +79,14 @@ def shift_slip(c: str, rng: random.Random) -> str:
     return kind[(kind.index(c) + 1) % len(kind)]
 
 
+LABELS = {"yes": "no", "no": "yes"}
 SLIPS = {"random": random_slip, "shift": shift_slip}
 
 
 def teacher(target: str, rng: random.Random, noise: float, slip: str) -> str:
     """The demonstration: each character of ``target`` slipped (``SLIPS[slip]``) with chance ``noise``."""
+    if target in LABELS:                              # a label slips to the other label
+        return LABELS[target] if rng.random() < noise else target
     return "".join(SLIPS[slip](c, rng) if rng.random() < noise else c for c in target)
 
 
