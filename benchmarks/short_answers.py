@@ -1,19 +1,24 @@
 """Write custom-task JSONL files with short answers (2-3 characters) and score them, for `task.name=custom`.
 
-    python benchmarks/short_answers.py runs/short/add --shape add    # train/validation/test.jsonl
+    python benchmarks/short_answers.py runs/short/succ --shape succ   # train/validation/test.jsonl
     PYTHONPATH=benchmarks gspo train configs/default.yaml task.name=custom \
-        task.train_file=runs/short/add/train.jsonl task.test_file=runs/short/add/test.jsonl \
-        task.validation_file=runs/short/add/validation.jsonl task.reward=short_answers:score
+        task.train_file=runs/short/succ/train.jsonl task.test_file=runs/short/succ/test.jsonl \
+        task.validation_file=runs/short/succ/validation.jsonl task.reward=short_answers:score
 
-Task shapes like a user's own short-answer task (issue 28): the reward (`score`) is 1 when the
-completion is exactly the row's `target`, else 0. The `answer` column is the SFT demonstration,
-written by a flawed teacher on the training split (a plausible wrong answer on a share of rows),
-so the cold start is better greedily than sampled: it learns the teacher's mixture, its most
-likely answer is mostly right, a sample often is not. Held-out splits carry the true answer.
+Task shapes like a user's own short-answer task (issue 28; docs/short-answers.md): the reward
+(`score`) is 1 when the completion is exactly the row's `target`, else 0. The `answer` column is
+the SFT demonstration, written on the training split by a teacher that slips: each character
+with chance `--noise` (default 0.2) becomes a random one of its kind (`--slip random`) or the
+next one (`--slip shift`), a yes/no label becomes the other. The cold start learns the teacher's
+mixture, so its most likely answer is mostly right and a sample often is not: better greedy than
+sampled. Held-out splits carry the true answer.
 
-* ``add``: ``37+48=`` -> ``85`` (two two-digit numbers; the teacher drops the carry);
-* ``rev``: ``rev kqz=`` -> ``zqk`` (three letters reversed; the teacher swaps the first two);
-* ``sort``: ``sort qzk=`` -> ``kqz`` (three letters sorted; the teacher swaps the last two).
+* ``succ``: ``succ kqz=`` -> ``lra`` (each of 2-3 letters moved on by one);
+* ``rev``: ``rev kqz=`` -> ``zqk``; ``sort``: ``sort qzk=`` -> ``kqz`` (three letters);
+* ``ordered``: ``ord eqz?`` -> ``yes`` (are the three letters in order; half are);
+* ``before``: ``bef kqa?`` -> ``no`` (is the first letter before the last);
+* ``arith``: ``37+8=`` -> ``45`` (a two-digit number plus or minus a digit; tiny-dense's 300 SFT
+  steps do not learn it: a cold start of 0.05).
 
 Rows are generated (seeded: the same seed writes the same files); train, validation and test
 share no prompt.
