@@ -443,3 +443,17 @@ def test_no_validation_split_keeps_no_best(make_cfg, reward_module, monkeypatch)
     assert summary["best_validation"] is None and not (Path(cfg.run.dir) / "best").exists()
     assert summary["accuracy_change"]["fell"]
     assert not any("val/accuracy" in r for r in read_metrics(cfg.run.dir))
+
+
+def test_a_rollback_keeps_the_newer_best(make_cfg, reward_module, monkeypatch):
+    # validation peaks at the last step (2); restoring the checkpoint of step 1, whose history
+    # knew only the best of step 1, must still point to best/, which holds step 2's weights
+    from gspo.training.checkpoint import load_latest
+    _scripted_evaluations(monkeypatch, [0.3, 0.3, 0.3], val_acc=[0.2, 0.4, 0.5])
+    cfg = make_cfg("task.n_val=6", "run.eval_every=1", "run.save_every=1", _parity(reward_module))
+    trainer = Trainer(cfg, log=lambda m: None)
+    trainer.run()
+    loaded = load_latest(cfg.run.dir, accept=lambda state: state["step"] == 1)
+    assert loaded.state["history"]["best_validation"]["step"] == 1
+    trainer.restore(loaded)
+    assert trainer.history["best_validation"]["step"] == 2

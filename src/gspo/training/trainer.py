@@ -63,7 +63,8 @@ class Trainer:
         self.algorithm = algorithms.get(cfg.objective.name)(cfg)  # group-relative | ppo | sft
         self.task = build_task(cfg)
         self.train_set, self.test_set = self.task.split("train"), eval_examples(self.task, cfg)
-        self.val_set = selection_examples(self.task, cfg)  # [] : no best checkpoint is kept
+        self.val_set = [] if self.dist.enabled and cfg.dist.strategy == "fsdp" else \
+            selection_examples(self.task, cfg)     # []: no best checkpoint (fsdp: not gathered)
         self.rewards = isolated_rewards(cfg.rewards, self.task)
 
     # ----------------------------------------------------------------------------- set-up
@@ -153,6 +154,8 @@ class Trainer:
         self.cursor.load(state["cursor"])
         self.start_step = state["step"]
         self.history = state.get("history", {})
+        if self.val_set:    # best/ may be newer than this checkpoint (a rollback, a killed run)
+            self.history["best_validation"] = self.dist.on_main(lambda: kept_best(self.run_dir))
         self.algorithm.load(loaded.path, state.get("algorithm", {}))
         self.rollouts.load(loaded.path)             # async: the weights of the batches in flight
 
@@ -261,11 +264,11 @@ class Trainer:
         val = self.evaluate(self.val_set)
         best = self.history.get("best_validation")
         if best is None or val.accuracy > best["accuracy"]:
-            folder = self.run_dir / "best"
-            with self.dist.full_params():
-                self.dist.on_main(lambda: save_weights(self.model, self.tokenizer, folder))
-            self.history["best_validation"] = {"step": done, "accuracy": val.accuracy, "n": val.n,
-                                               "test_accuracy": test.accuracy, "checkpoint": str(folder)}
+            folder = self.run_dir / BEST
+            best = {"step": done, "accuracy": val.accuracy, "n": val.n,
+                    "test_accuracy": test.accuracy, "checkpoint": str(folder)}
+            self.dist.on_main(lambda: save_weights(self.model, self.tokenizer, folder, best))
+            self.history["best_validation"] = best
         return val.as_metrics("val/")
 
     def report_progress(self, bar, row: dict, last_acc: float) -> None:
@@ -319,11 +322,23 @@ def selection_examples(task, cfg) -> list:
     return examples[:cfg.eval.n] if cfg.eval.n else examples
 
 
-def save_weights(model, tokenizer, folder: Path) -> None:
-    """Weights and tokenizer to ``folder``, replaced whole (written beside it, then renamed)."""
+BEST = "best"              # <run.dir>/best: the weights that scored best on validation
+BEST_RECORD = "best.json"  # in it: which step, its validation and test accuracy
+
+
+def kept_best(run_dir: Path) -> dict | None:
+    """The record of <run.dir>/best, if one was kept."""
+    record = run_dir / BEST / BEST_RECORD
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def save_weights(model, tokenizer, folder: Path, record: dict) -> None:
+    """Weights, tokenizer and ``record`` to ``folder``, replaced whole (written beside it, then
+    renamed)."""
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with writing("the best checkpoint", tmp):
         save_model(model, tokenizer, tmp)
+        (tmp / BEST_RECORD).write_text(json.dumps(record, indent=1))
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
