@@ -457,3 +457,21 @@ def test_a_rollback_keeps_the_newer_best(make_cfg, reward_module, monkeypatch):
     assert loaded.state["history"]["best_validation"]["step"] == 1
     trainer.restore(loaded)
     assert trainer.history["best_validation"]["step"] == 2
+
+
+def test_a_failed_best_write_leaves_the_previous_best(tmp_path, monkeypatch):
+    import errno
+    from gspo.errors import WriteFailed
+    from gspo.training import trainer as trainer_module
+    folder = tmp_path / "best"
+    folder.mkdir()
+    (folder / "best.json").write_text('{"step": 1}')
+
+    def full_disk(model, tokenizer, path):
+        Path(path, "model.safetensors").write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(trainer_module, "save_model", full_disk)
+    with pytest.raises(WriteFailed):
+        trainer_module.save_weights(None, None, folder, {"step": 2})
+    assert trainer_module.kept_best(tmp_path) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]

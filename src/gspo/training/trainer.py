@@ -333,12 +333,19 @@ def kept_best(run_dir: Path) -> dict | None:
 
 
 def save_weights(model, tokenizer, folder: Path, record: dict) -> None:
-    """Weights, tokenizer and ``record`` to ``folder``, replaced whole (written beside it, then
-    renamed)."""
-    tmp = folder.with_name(f".{folder.name}.tmp")
+    """Weights, tokenizer and ``record`` to ``folder``, replaced whole: written beside it, then
+    renamed; a write that fails leaves the previous folder as it was."""
+    tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
     shutil.rmtree(tmp, ignore_errors=True)
-    with writing("the best checkpoint", tmp):
-        save_model(model, tokenizer, tmp)
-        (tmp / BEST_RECORD).write_text(json.dumps(record, indent=1))
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
+    try:
+        with writing("the best checkpoint", tmp):
+            save_model(model, tokenizer, tmp)
+            (tmp / BEST_RECORD).write_text(json.dumps(record, indent=1))
+    except BaseException:   # a full disk, a signal: no temporary folder left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
