@@ -2,6 +2,7 @@
 end-to-end `gspo train` in a subprocess."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_train_end_to_end(tmp_path, small_config, reward_module, reward_dir):
                          env={**ENV, "PYTHONPATH": os.pathsep.join([str(reward_dir),  # this checkout's
                                                                     ENV.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "held-out accuracy:" in out.stdout and "after 1 gspo steps" in out.stdout
+    assert re.search(r"held-out accuracy( fell)?: ", out.stdout) and "after 1 gspo steps" in out.stdout
     for name in ("summary.json", "metrics.jsonl", "config.yaml", "report.md"):
         assert (run / name).is_file(), name
     assert json.loads((run / "summary.json").read_text())["steps"] == 1

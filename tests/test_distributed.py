@@ -20,6 +20,7 @@ Processes: torch.multiprocessing spawn, gloo on 127.0.0.1 with a free port.
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 from unittest import mock
@@ -396,7 +397,7 @@ def test_torchrun_train_then_resume_under_other_ranks_and_strategy(tmp_path, rew
     out = _gspo(env, "train", *SMALL_RUN, f"run.dir={run}", f"sft.cache_dir={tmp_path / 'sft'}",
                 "train.steps=2", ranks=2)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("held-out accuracy:") == 1                  # rank 0 reports alone
+    assert len(re.findall(r"held-out accuracy( fell)?: ", out.stdout)) == 1  # rank 0 reports alone
     out = _gspo(env, "train", "--resume", str(run), "train.steps=3", "dist.strategy=fsdp",
                 ranks=2)
     assert out.returncode == 0, out.stderr[-3000:]

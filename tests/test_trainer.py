@@ -399,3 +399,82 @@ def test_split_minibatches_by_groups_deals_whole_groups():
                zip(rows, split_minibatches(24, 4, torch.Generator().manual_seed(0), 1)))
     with pytest.raises(ValueError, match="whole groups"):
         split_minibatches(10, 2, torch.Generator(), group_size=4)
+
+
+# ------------------------------------------------------------------- the best checkpoint by validation
+
+def _scripted_evaluations(monkeypatch, test_acc: list[float], val_acc: list[float]) -> None:
+    """Trainer.evaluate returns these greedy accuracies in turn, per split (test, validation)."""
+    from gspo.rollout.evaluation import EvalResult
+    queues = {"test": list(test_acc), "validation": list(val_acc)}
+
+    def evaluate(self, examples=None):
+        split = "validation" if examples is self.val_set else "test"
+        n = len(self.val_set if split == "validation" else self.test_set)
+        return EvalResult(accuracy=queues[split].pop(0), pass1=0.0, pass_k=0.0, k=2,
+                          mean_reward=0.0, mean_length=1.0, n=n)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+
+
+@pytest.mark.parametrize("test_acc", [[0.3, 0.1, 0.6], [0.6, 0.1, 0.3]])
+def test_best_checkpoint_is_chosen_by_validation_not_test(make_cfg, reward_module, monkeypatch,
+                                                          test_acc):
+    # evaluations at steps 0, 1, 2: validation peaks at step 1, test elsewhere
+    _scripted_evaluations(monkeypatch, test_acc, val_acc=[0.2, 0.5, 0.4])
+    cfg = make_cfg("task.n_val=6", "run.eval_every=1", "run.save_every=1", _parity(reward_module))
+    trainer = Trainer(cfg, log=lambda m: None)
+    assert {e.prompt for e in trainer.val_set}.isdisjoint(e.prompt for e in trainer.test_set)
+    summary = trainer.run()
+    best = summary["best_validation"]
+    assert (best["step"], best["accuracy"], best["test_accuracy"]) == (1, 0.5, test_acc[1])
+    folder = Path(cfg.run.dir) / "best"
+    assert best["checkpoint"] == str(folder)
+    saved = load_model(folder)[0].state_dict()                 # the weights after step 1
+    step1 = load_model(Path(cfg.run.dir) / "checkpoints" / "step_000001")[0].state_dict()
+    assert _same_weights(saved, step1)
+    assert [r["val/accuracy"] for r in read_metrics(cfg.run.dir) if "val/accuracy" in r] == [0.2, 0.5, 0.4]
+    change = summary["accuracy_change"]
+    assert change["fell"] == (test_acc[2] < test_acc[0])
+    assert math.isclose(change["change"], test_acc[2] - test_acc[0])
+    assert json.loads((Path(cfg.run.dir) / "summary.json").read_text())["best_validation"] == best
+
+
+def test_no_validation_split_keeps_no_best(make_cfg, reward_module, monkeypatch):
+    _scripted_evaluations(monkeypatch, [0.5, 0.4], val_acc=[])
+    cfg = make_cfg(_parity(reward_module))                      # no task.n_val: no validation
+    summary = Trainer(cfg, log=lambda m: None).run()
+    assert summary["best_validation"] is None and not (Path(cfg.run.dir) / "best").exists()
+    assert summary["accuracy_change"]["fell"]
+    assert not any("val/accuracy" in r for r in read_metrics(cfg.run.dir))
+
+
+def test_a_rollback_keeps_the_newer_best(make_cfg, reward_module, monkeypatch):
+    # validation peaks at the last step (2); restoring the checkpoint of step 1, whose history
+    # knew only the best of step 1, must still point to best/, which holds step 2's weights
+    from gspo.training.checkpoint import load_latest
+    _scripted_evaluations(monkeypatch, [0.3, 0.3, 0.3], val_acc=[0.2, 0.4, 0.5])
+    cfg = make_cfg("task.n_val=6", "run.eval_every=1", "run.save_every=1", _parity(reward_module))
+    trainer = Trainer(cfg, log=lambda m: None)
+    trainer.run()
+    loaded = load_latest(cfg.run.dir, accept=lambda state: state["step"] == 1)
+    assert loaded.state["history"]["best_validation"]["step"] == 1
+    trainer.restore(loaded)
+    assert trainer.history["best_validation"]["step"] == 2
+
+
+def test_a_failed_best_write_leaves_the_previous_best(tmp_path, monkeypatch):
+    import errno
+    from gspo.errors import WriteFailed
+    from gspo.training import trainer as trainer_module
+    folder = tmp_path / "best"
+    folder.mkdir()
+    (folder / "best.json").write_text('{"step": 1}')
+
+    def full_disk(model, tokenizer, path):
+        Path(path, "model.safetensors").write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(trainer_module, "save_model", full_disk)
+    with pytest.raises(WriteFailed):
+        trainer_module.save_weights(None, None, folder, {"step": 2})
+    assert trainer_module.kept_best(tmp_path) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]

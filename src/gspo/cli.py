@@ -89,6 +89,7 @@ def split_config_and_overrides(args) -> None:
 
 # --------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
+    from gspo.observe.outcome import best_line, change_line
     from gspo.observe.report import build_report
     from gspo.tools.preflight import check_rewards, check_train, user_input
     from gspo.training import distributed, provenance
@@ -132,9 +133,12 @@ def cmd_train(args) -> int:
         return 0
     with write_faults(cfg.run.dir, after=reported):
         report = build_report(cfg.run.dir)
-    b, a = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
-    print(f"held-out accuracy: {b:.3f} (cold start) -> {a:.3f} (after {summary['steps']} "
-          f"{summary['objective']} steps), {summary['wall_s']:.0f} s")
+    change = summary["accuracy_change"]      # a fall is said to be one (gspo.observe.outcome)
+    what = f"{summary['steps']} {summary['objective']} steps"
+    print(f"{change_line(change, what)}, {summary['wall_s']:.0f} s")
+    best = best_line(summary["best_validation"], change["fell"])
+    if best:
+        print(best)
     print(f"outputs: {cfg.run.dir}/  (summary.json, metrics.jsonl, {report.name}, tb/, checkpoints/)")
     return 0
 

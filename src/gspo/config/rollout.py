@@ -59,3 +59,5 @@ class EvalConfig(Section):
     """Sampling temperature for pass@k (greedy accuracy uses argmax)."""
     batch_size: int = Field(256, ge=1)
     """Prompts per generation batch."""
+    keep_best: bool = True
+    """When the task has a validation split and eval.split=test: at every evaluation (the cold start's included) also score the validation split (eval.n prompts), and keep the weights that scored best there in <run.dir>/best (summary.json: best_validation). The test split never chooses. Not under torchrun with dist.strategy=fsdp (the sharded weights are not gathered for it)."""

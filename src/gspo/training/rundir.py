@@ -83,7 +83,7 @@ def claim(run_dir: Path, *, resume: bool, overwrite: bool, log, lock: RunLock | 
         lock = RunLock.acquire(run_dir, log=log)
     remove_partial(run_dir)
     previous = [run_dir / n for n in ("metrics.jsonl", "checkpoints", "summary.json", "tb",
-                                      "events.jsonl", "audit")]
+                                      "events.jsonl", "audit", "best")]
     previous = [p for p in previous if p.exists()]
     if previous and not resume:
         if not overwrite:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import signal
 import sys
 import time
@@ -24,8 +25,9 @@ from tqdm.auto import tqdm
 
 from gspo.config import TrainConfig, dump_yaml
 from gspo.errors import Interrupted
-from gspo.models.presets import DTYPES, load_model, resolve_device
+from gspo.models.presets import DTYPES, load_model, resolve_device, save_model
 from gspo.observe.metrics import MetricsWriter, NullWriter
+from gspo.observe.outcome import accuracy_change
 from gspo.observe.records import Recorder
 from gspo.observe.timing import PARTS, breakdown
 from gspo.rewards.isolation import isolated_rewards
@@ -63,6 +65,8 @@ class Trainer:
         self.algorithm = algorithms.get(cfg.objective.name)(cfg)  # group-relative | ppo | sft
         self.task = build_task(cfg)
         self.train_set, self.test_set = self.task.split("train"), eval_examples(self.task, cfg)
+        self.val_set = [] if self.dist.enabled and cfg.dist.strategy == "fsdp" else \
+            selection_examples(self.task, cfg)     # []: no best checkpoint (fsdp: not gathered)
         self.rewards = isolated_rewards(cfg.rewards, self.task)
         self.episode = build_episode(cfg)           # single turn, or multiturn's tool loop
 
@@ -156,6 +160,8 @@ class Trainer:
         self.cursor.load(state["cursor"])
         self.start_step = state["step"]
         self.history = state.get("history", {})
+        if self.val_set:    # best/ may be newer than this checkpoint (a rollback, a killed run)
+            self.history["best_validation"] = self.dist.on_main(lambda: kept_best(self.run_dir))
         self.algorithm.load(loaded.path, state.get("algorithm", {}))
         self.rollouts.load(loaded.path)             # async: the weights of the batches in flight
 
@@ -175,12 +181,14 @@ class Trainer:
         return self.save(step, self.wall())
 
     # ----------------------------------------------------------------------------- the loop
-    def evaluate(self) -> EvalResult:
-        """Held-out evaluation (under torchrun: on rank 0, its result sent to every rank)."""
+    def evaluate(self, examples=None) -> EvalResult:
+        """Held-out evaluation of ``examples`` (default: the test split; under torchrun: on rank 0,
+        its result sent to every rank)."""
         e = self.cfg.eval
+        examples = self.test_set if examples is None else examples
         with self.dist.full_params(), self.rollouts.rng_lock:  # async: not while the worker samples
             return self.dist.on_main(lambda: evaluate(
-                self.model, self.tokenizer, self.task, self.test_set,
+                self.model, self.tokenizer, self.task, examples,
                 max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
                 temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
                 engine=self.collector.eval_engine(),    # vllm: the same engine; hf: the policy
@@ -219,7 +227,7 @@ class Trainer:
         if "eval_before" not in self.history:
             result = self.evaluate()
             self.history["eval_before"] = result.as_dict()
-            self.metrics.write({"step": 0, **result.as_metrics()})
+            self.metrics.write({"step": 0, **result.as_metrics(), **self.keep_if_best(0, result)})
             self.log(f"held-out before RL: accuracy {result.accuracy:.3f}  pass@1 {result.pass1:.3f}")
         bar = tqdm(desc=f"{cfg.objective.name}", initial=self.start_step, total=cfg.train.steps,
                    disable=not self.progress, dynamic_ncols=True)
@@ -241,6 +249,7 @@ class Trainer:
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or done == cfg.train.steps:
                 result = self.evaluate()
                 row.update(result.as_metrics())
+                row.update(self.keep_if_best(done, result))
                 last_acc = result.accuracy
                 self.history["eval_last"] = result.as_dict()
             self.log_row(row)
@@ -255,6 +264,21 @@ class Trainer:
         final = self.save(cfg.train.steps, wall)
         self.metrics.close()
         return self.finish(final, wall)
+
+    def keep_if_best(self, done: int, test: EvalResult) -> dict:
+        """With a validation split: score it, and when its greedy accuracy beats the best so far
+        (history["best_validation"]) write these weights to <run.dir>/best; the val/* metrics."""
+        if not self.val_set:
+            return {}
+        val = self.evaluate(self.val_set)
+        best = self.history.get("best_validation")
+        if best is None or val.accuracy > best["accuracy"]:
+            folder = self.run_dir / BEST
+            best = {"step": done, "accuracy": val.accuracy, "n": val.n,
+                    "test_accuracy": test.accuracy, "checkpoint": str(folder)}
+            self.dist.on_main(lambda: save_weights(self.model, self.tokenizer, folder, best))
+            self.history["best_validation"] = best
+        return val.as_metrics("val/")
 
     def report_progress(self, bar, row: dict, last_acc: float) -> None:
         """The progress bar's figures; without a bar, a log line every 10 steps."""
@@ -287,6 +311,8 @@ class Trainer:
             "steps": self.cfg.train.steps, "wall_s": round(wall, 1), "eval_split": self.cfg.eval.split,
             "eval_before": self.history["eval_before"], "eval_after": after,
             "accuracy_gain": after["accuracy"] - self.history["eval_before"]["accuracy"],
+            "accuracy_change": accuracy_change(self.history["eval_before"], after),  # fell: stated
+            "best_validation": self.history.get("best_validation"),  # None: no validation split
             "cold_start": self.init_info, "final_checkpoint": str(final),
             "data": getattr(self.task, "data_report", None),  # examples skipped (data.on_error)
         }
@@ -294,3 +320,41 @@ class Trainer:
             with writing("summary.json", self.run_dir / "summary.json"):
                 write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
+
+
+def selection_examples(task, cfg) -> list:
+    """The validation examples that choose the best checkpoint (eval.keep_best): none when the
+    task has no validation split or the evaluations already score it (eval.split=validation)."""
+    if not cfg.eval.keep_best or cfg.eval.split != "test":
+        return []
+    examples = task.split("validation")
+    return examples[:cfg.eval.n] if cfg.eval.n else examples
+
+
+BEST = "best"              # <run.dir>/best: the weights that scored best on validation
+BEST_RECORD = "best.json"  # in it: which step, its validation and test accuracy
+
+
+def kept_best(run_dir: Path) -> dict | None:
+    """The record of <run.dir>/best, if one was kept."""
+    record = run_dir / BEST / BEST_RECORD
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def save_weights(model, tokenizer, folder: Path, record: dict) -> None:
+    """Weights, tokenizer and ``record`` to ``folder``, replaced whole: written beside it, then
+    renamed; a write that fails leaves the previous folder as it was."""
+    tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with writing("the best checkpoint", tmp):
+            save_model(model, tokenizer, tmp)
+            (tmp / BEST_RECORD).write_text(json.dumps(record, indent=1))
+    except BaseException:   # a full disk, a signal: no temporary folder left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
