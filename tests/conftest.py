@@ -17,6 +17,13 @@ torch.set_num_threads(1)
 # character's code point (an empty completion scores 0). Written to a module so the config can
 # name it as 'gspo_test_rewards:first_char_parity', exactly as a user would.
 REWARD_MODULE = "gspo_test_rewards"
+
+THINK_STRIPPING_TEMPLATE = (  # ChatML that strips <think>...</think> from earlier assistant turns,
+    "{%- for message in messages %}{%- set c = message['content'] %}"          # as Qwen3's does:
+    "{%- if message['role'] == 'assistant' and not loop.last and '</think>' in c %}"  # not
+    "{%- set c = c.split('</think>')[-1].lstrip() %}{%- endif %}"               # prefix-preserving
+    "{{- '<|im_start|>' + message['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 PARITY_REWARD = f"{REWARD_MODULE}:first_char_parity"
 
 

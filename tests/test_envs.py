@@ -12,6 +12,7 @@ from gspo import envs, tasks
 from gspo.envs.tools import (CALL_FORMATS, ToolCall, ToolError, ToolRunner, bind, load_tool)
 from gspo.rewards.sandbox import Limits
 from gspo.tasks.tooluse import bisect_turns, calc, lookup, lookup_value
+from conftest import THINK_STRIPPING_TEMPLATE
 
 TOOLS = "gspo_probe_tools"
 
@@ -202,12 +203,6 @@ def test_a_template_that_rewrites_history_is_refused():
     from gspo.rollout.tokenization import build_bpe_tokenizer
     from gspo.rollout.turns import TemplateError, check_template
     tok = build_bpe_tokenizer(["user x", "assistant y"], 300)
-    # strips <think>...</think> from assistant turns that are not the last message (as Qwen3's does)
-    tok.chat_template = (
-        "{%- for message in messages %}{%- set c = message['content'] %}"
-        "{%- if message['role'] == 'assistant' and not loop.last and '</think>' in c %}"
-        "{%- set c = c.split('</think>')[-1].lstrip() %}{%- endif %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    tok.chat_template = THINK_STRIPPING_TEMPLATE
     with pytest.raises(TemplateError, match="not prefix-preserving"):
         check_template(tok, tok.convert_tokens_to_ids("<|im_end|>"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import parity_rewards
+from conftest import THINK_STRIPPING_TEMPLATE, parity_rewards
 from gspo.config import ConfigError, load_config
 from gspo.observe.metrics import read_metrics
 from gspo.training.trainer import Trainer
@@ -38,12 +38,7 @@ def test_a_template_that_is_not_prefix_preserving_is_refused_at_set_up(make_cfg,
     cfg = make_cfg("sft.enabled=false", parity_rewards(reward_module), "model.tokenizer=bpe", "task.chat=true",
                    "multiturn.env=single", "task.n_train=40")
     trainer = Trainer(cfg, log=lambda m: None)
-    trainer.task.tokenizer.chat_template = (   # strips <think> from earlier assistant turns
-        "{%- for message in messages %}{%- set c = message['content'] %}"
-        "{%- if message['role'] == 'assistant' and not loop.last and '</think>' in c %}"
-        "{%- set c = c.split('</think>')[-1].lstrip() %}{%- endif %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    trainer.task.tokenizer.chat_template = THINK_STRIPPING_TEMPLATE
     with pytest.raises(TemplateError, match="not prefix-preserving"):
         trainer.setup()
 
