@@ -215,7 +215,8 @@ class Collector:
                          or self.keep_logprobs or cfg.rollout.quantize is not None)  # its mismatch
 
         replay = cfg.moe.routing_replay == "rollout"          # (an engine with a module: hf)
-        capture = replay or self.measures_routing(engine)
+        measure = self.measures_routing(engine)
+        capture = replay or measure
         with moe.capture_routing(engine.module) if capture else contextlib.nullcontext() as cap, \
                 self.shards.full_params():      # fsdp: gathered, so ranks may generate unequal lengths
             batch = self.episode(engine, self.tokenizer, examples, self.sampling,
@@ -225,7 +226,7 @@ class Collector:
             sampled = cap.generated_routing(batch.input_ids.shape[1])     # [N, L, layers, k]
             if replay:
                 batch.routing = sampled
-            if self.measures_routing(engine):
+            if measure:
                 self.routing_stats = self.routing_disagreement(batch, sampled)
         return batch
 

@@ -266,8 +266,7 @@ def collect_episodes(engine, tokenizer, examples, group_size: int, params, make_
     rows_prompts = [p for p in prompts for _ in range(group_size)]
     row_examples = [ex for ex in examples for _ in range(group_size)]
     environments = [make_env(ex) for ex in row_examples]
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    encode, decode = codec(tokenizer)
     rows = run_episodes(sample, rows_prompts, environments, observe, decode, tokenizer.eos_token_id,
                         budgets, encode=encode)
     batch = to_tensors(rows, tokenizer.pad_token_id)
@@ -276,15 +275,22 @@ def collect_episodes(engine, tokenizer, examples, group_size: int, params, make_
 
 
 # ---------------------------------------------------------------------------- the episode
+def codec(tokenizer) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """(encode, decode) of a turn's or an observation's text with ``tokenizer``: no special tokens
+    added, none kept."""
+    return (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def observer(tokenizer) -> Callable[[Observation], list[int]]:
     """How observations become ids with ``tokenizer``: text encoded as is; messages rendered by its
     chat template after the policy's end-of-turn token (``gspo.rollout.turns``), refused without one."""
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    as_text = text_observer(codec(tokenizer)[0])
     has_template = bool(getattr(tokenizer, "chat_template", None))
 
     def observe(obs: Observation) -> list[int]:
         if obs.text is not None:
-            return encode(obs.text)
+            return as_text(obs)
         if not has_template:
             raise ValueError("the environment answered chat messages, but the tokenizer has no chat "
                              "template: answer text (e.g. multiturn.call_format=bracket)")
@@ -334,8 +340,7 @@ class ToolLoop:
         turn) through their environments: the loss mask is the policy's turns only."""
         prompts = [tokenizer(ex.prompt)["input_ids"] for ex in examples]
         turns = [ex.data.get("turns") or [ex.answer] for ex in examples]
-        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        encode, decode = codec(tokenizer)
         rows = demonstrations(prompts, turns, [self.make_env(ex) for ex in examples],
                               observer(tokenizer), encode, decode, tokenizer.eos_token_id, self.budgets)
         batch = to_tensors(rows, tokenizer.pad_token_id)

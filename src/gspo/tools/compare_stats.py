@@ -49,6 +49,7 @@ def run_stats(rows: list[dict], summary: dict, threshold: float, min_gain: float
     n = summary.get("rollout_size")
     tokens = sum(r.get("response/length_mean", 0.0) * (n or 0) for r in steps)
     best_step, best = max(series, key=lambda p: (p[1], -p[0])) if series else (None, None)
+    means = gate_means(rows, gate or {})
     return {
         "seed": summary["seed"], "cold_accuracy": series[0][1] if series else None,
         "final_accuracy": summary["eval_after"]["accuracy"], "best_accuracy": best,
@@ -60,7 +61,7 @@ def run_stats(rows: list[dict], summary: dict, threshold: float, min_gain: float
         "tokens_per_s": round(tokens / train_s, 1) if n and train_s > 0 else None,
         "collapsed": collapsed(series, min_gain), "eval_n": summary["eval_after"].get("n"),
         "crash": crash_stats(rows, crash_rule or {}),
-        "gate": gate_means(rows, gate or {}), "gate_reached": gate_reached(gate_means(rows, gate or {}), gate or {}),
+        "gate": means, "gate_reached": gate_reached(means, gate or {}),
     }
 
 
