@@ -128,4 +128,6 @@ def test_the_cold_start_alone_trains_on_the_multiturn_demonstrations(make_cfg):
     episode = build_episode(cfg)
     episode(engines.build("hf", model, tok), tok, task.split("test")[:8],
             SamplingParams(max_new_tokens=16, greedy=True), group_size=1, seed=0, with_logprobs=False)
+    # measured with seeds 2, 3, 4 as well (this test's config, seed=S): 1.0 on each, so 0.5 has
+    # a wide margin; a single-turn cold start calls on none (0.0)
     assert episode.metrics["multiturn/tool_call_rate"] > 0.5
