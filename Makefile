@@ -51,7 +51,7 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py tests/test_engines.py
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_moe.py
-	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_train.py tests/test_engine_config.py
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_train.py tests/test_engine_config.py tests/test_vllm_torchrun.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/logprob_memory.py

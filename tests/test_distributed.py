@@ -78,6 +78,37 @@ def test_shares_tile_the_prompts_and_differ_by_at_most_one():
         assert len(shares[0]) >= len(shares[-1])          # the first n mod K ranks take one more
 
 
+def test_a_group_share_is_its_ranks_shares_together():
+    """rollout.engine_tp: the ranks of one engine sample their shares as one contiguous block."""
+    for n, k, size in [(8, 2, 2), (7, 4, 2), (9, 6, 3), (5, 2, 1)]:
+        for r in range(k):
+            first = r - r % size
+            members = [range(n)[Dist(rank=m, world=k).share(n)] for m in range(first, first + size)]
+            group = range(n)[Dist(rank=r, world=k).group_share(n, size)]
+            assert list(group) == [i for s in members for i in s]
+        assert Dist(rank=1, world=k).group_share(n, 1) == Dist(rank=1, world=k).share(n)
+
+
+def test_an_engine_seeding_each_prompt_is_seeded_at_the_first_prompt_of_the_share():
+    """vllm seeds prompt p of a call with seed + p: rank r's seed is the step's plus the index of
+    its first prompt (its tensor-parallel group's with engine_tp), so K ranks sample the one-call
+    batch; hf draws one generator per call: each rank its own seed (rank 0's the one-process one)."""
+    from gspo.config import TrainConfig
+    from gspo.rollout.collect import Collector, rollout_seed
+    from gspo.training.collectives import RANK_SEED_STRIDE
+
+    def seed(engine, rank, world, tp=1):
+        cfg = TrainConfig.model_validate({"rollout": {"engine": engine, "prompts_per_step": 10,
+                                                      "engine_tp": tp}})
+        return Collector(cfg, None, None, None, [], None, None, Dist(rank=rank, world=world),
+                         None).seed(3, 1)
+
+    base = rollout_seed(0, 3, 1)
+    assert [seed("vllm", r, 3) for r in range(3)] == [base, base + 4, base + 7]
+    assert [seed("vllm", r, 4, tp=2) for r in range(4)] == [base, base, base + 6, base + 6]
+    assert seed("hf", 0, 2) == base and seed("hf", 1, 2) == base + RANK_SEED_STRIDE
+
+
 def test_one_process_minibatches_are_the_trainers():
     a = Dist().minibatch_rows(10, 4, torch.Generator().manual_seed(3))
     b = split_minibatches(10, 4, torch.Generator().manual_seed(3))

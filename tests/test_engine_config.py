@@ -43,9 +43,10 @@ def test_config_names_are_the_registry(monkeypatch):
 def test_the_world_size_comes_from_the_environment_given():
     """resolve reads no process state: the world is the Environment passed (load_config's
     default reads WORLD_SIZE once)."""
-    with pytest.raises(ConfigError, match="cannot serve torchrun with 3 processes"):
-        load_config(None, ["rollout.engine=vllm"], environment=Environment(world_size=3))
-    assert load_config(None, ["rollout.engine=vllm"], environment=Environment()).rollout.engine == "vllm"
+    tp = ["rollout.engine=vllm", "rollout.engine_tp=2"]
+    with pytest.raises(ConfigError, match="engine_tp=2 with torchrun's 3 processes"):
+        load_config(None, tp, environment=Environment(world_size=3))
+    assert load_config(None, tp, environment=Environment(world_size=4)).rollout.engine_tp == 2
 
 
 @pytest.mark.parametrize("overrides, mode", [
@@ -91,10 +92,17 @@ def test_combinations_vllm_cannot_serve(capsys, tmp_path, overrides, expected):
     assert expected in _fails(capsys, tmp_path, *overrides)
 
 
-def test_torchrun_world_is_refused(monkeypatch):
+def test_torchrun_world_takes_an_engine_per_rank_or_per_tensor_parallel_group(monkeypatch):
+    """Under torchrun vllm builds an engine per rank (or per rollout.engine_tp ranks, which must
+    divide the world); a tensor-parallel split of hf, which samples on the policy, is refused."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="rollout.engine=vllm cannot serve torchrun with 2 processes"):
-        load_config("configs/default.yaml", ["rollout.engine=vllm"])
+    assert load_config("configs/default.yaml", ["rollout.engine=vllm"]).rollout.engine_tp == 1
+    assert load_config("configs/default.yaml",
+                       ["rollout.engine=vllm", "rollout.engine_tp=2"]).rollout.engine_tp == 2
+    with pytest.raises(ConfigError, match="rollout.engine_tp=3 with torchrun's 2 processes"):
+        load_config("configs/default.yaml", ["rollout.engine=vllm", "rollout.engine_tp=3"])
+    with pytest.raises(ConfigError, match="rollout.engine=hf samples on the policy itself"):
+        load_config("configs/default.yaml", ["rollout.engine_tp=2"])
 
 
 def test_a_model_type_the_engine_refuses_is_refused_before_it_is_built(capsys, tmp_path, monkeypatch):

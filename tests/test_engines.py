@@ -90,6 +90,36 @@ def test_policy_weights_include_the_tied_head(policy):
     assert names["lm_head.weight"].data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+class CountingReads(dict):
+    """A state_dict that records the order its tensors are read in."""
+
+    def __init__(self, state):
+        super().__init__(state)
+        self.reads = []
+
+    def __getitem__(self, name):
+        self.reads.append(name)
+        return super().__getitem__(name)
+
+
+def test_policy_weights_stream_one_tensor_at_a_time_as_the_checkpoint_stores_them():
+    """A MoE's fused experts come out one tensor per expert, as the whole-dict revert (and
+    save_pretrained) gives them, and each weight is read only when its turn comes: the i-th
+    tensor out was produced by at most i+1 reads (a gathering mapping holds one at once)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    model, _ = build_model("tiny-moe", 0)
+    state = CountingReads(model.state_dict())
+    whole = revert_weight_conversion(model, dict(model.state_dict()))
+    streamed, reads_before = {}, []
+    for name, tensor in engines.policy_weights(model, state):
+        reads_before.append(len(state.reads))
+        streamed[name] = tensor
+    assert len(streamed) > len(state) and set(whole) <= set(streamed)   # experts split apart
+    assert all(torch.equal(streamed[k], whole[k]) for k in whole)
+    assert sorted(state.reads) == sorted(state) and len(state.reads) == len(state)   # each once
+    assert all(r <= i + 1 for i, r in enumerate(reads_before))
+
+
 def test_registry_and_refusals(policy, monkeypatch):
     model, tok = policy
     assert engines.available() == ["hf", "vllm"]

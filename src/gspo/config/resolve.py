@@ -127,14 +127,19 @@ def engine(out: Resolved, env: Environment) -> None:
     and the model type are checked by the preflight (gspo.rollout.engines.check)."""
     c = out.config
     if not engines.spec(c.rollout.engine).own_kernels:
+        if c.rollout.engine_tp > 1:
+            raise ValueError(f"rollout.engine_tp={c.rollout.engine_tp} splits an engine with its own "
+                             f"kernels (vllm) over ranks; rollout.engine={c.rollout.engine} samples "
+                             f"on the policy itself: leave rollout.engine_tp=1")
         return
     refused = [
         (c.moe.routing_replay == "rollout",
          "moe.routing_replay=rollout: the engine does not return the experts it routed to"),
         (c.model.lora is not None,
          "model.lora: the weight sync sends whole weights, not adapters (merging is not built)"),
-        (env.world_size > 1,
-         f"torchrun with {env.world_size} processes (one engine per node is not built)"),
+        (env.world_size % c.rollout.engine_tp,
+         f"rollout.engine_tp={c.rollout.engine_tp} with torchrun's {env.world_size} processes "
+         f"(the engines' tensor-parallel groups must divide them)"),
     ]
     for refuse, why in refused:
         if refuse:

@@ -19,7 +19,7 @@ import contextlib
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Protocol
+from typing import Callable, ContextManager, Mapping, Protocol
 
 import torch
 
@@ -95,10 +95,12 @@ class Shards(Protocol):
     """What collection asks of the ranks (gspo.training.distributed.Dist; one process: trivial)."""
 
     def share(self, n: int) -> slice: ...
+    def group_share(self, n: int, size: int) -> slice: ...
     def shard(self, items: list) -> list: ...
     def seed(self, base: int) -> int: ...
     def all(self, flag: bool) -> bool: ...
     def full_params(self) -> ContextManager: ...
+    def weights(self, model: torch.nn.Module) -> Mapping[str, torch.Tensor]: ...
 
 
 def reward_stats(task, batch: RolloutBatch, rewards: torch.Tensor, per_source: dict,
@@ -140,6 +142,9 @@ class Collector:
     """hf: the engine on the policy itself that evaluation samples through (``eval_engine``)."""
     routing_stats: dict = field(default_factory=dict)
     """The last generation's moe/sampler_trainer_disagreement (a MoE sampler copy; else empty)."""
+    sync_s: float = 0.0
+    """Seconds spent handing the policy's weights to the engine since the last ``collect``
+    (time/weight_sync_s: a part of time/generate_s)."""
     keep_logprobs: bool = False
     """Ask the sampler for its log-probs even when the config does not (the async worker takes
     them as the behaviour policy's, gspo.training.async_rollout.sampler_is_behaviour)."""
@@ -150,8 +155,24 @@ class Collector:
         return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
 
     def seed(self, step: int, rnd: int = 0) -> int:
-        """This rank's sampling seed of round ``rnd`` of ``step`` (recorded for audits)."""
-        return self.shards.seed(rollout_seed(self.cfg.seed, step, rnd))
+        """This rank's sampling seed of round ``rnd`` of ``step`` (recorded for audits). An engine
+        that seeds each prompt on its own (``Engine.seeds_per_prompt``: vllm) gets the round's
+        seed offset by the index of this rank's first prompt, so that K ranks sample exactly the
+        batch of one process; else each rank its own seed (``Shards.seed``)."""
+        base = rollout_seed(self.cfg.seed, step, rnd)
+        if engines.spec(self.cfg.rollout.engine).seeds_per_prompt:
+            return base + self.engine_share().start
+        return self.shards.seed(base)
+
+    def engine_group(self) -> int:
+        """Ranks per engine: rollout.engine_tp for an engine with its own kernels (vllm), else 1."""
+        r = self.cfg.rollout
+        return r.engine_tp if engines.spec(r.engine).own_kernels else 1
+
+    def engine_share(self) -> slice:
+        """The step's prompts this rank's engine samples: its own share, or with
+        rollout.engine_tp > 1 its tensor-parallel group's (each rank then keeps its own rows)."""
+        return self.shards.group_share(self.cfg.rollout.prompts_per_step, self.engine_group())
 
     def sampler(self, version: int | None = None) -> engines.Engine:
         """The rollout.engine, built from the policy on first use (after the cold start), else
@@ -164,14 +185,17 @@ class Collector:
             settings = {"dtype": None if r.dtype == "model" else DTYPES[r.dtype],
                         "seed": self.cfg.seed, "enable_sleep_mode": r.engine_sleep,
                         "share_prompts": not self.captures_at_generation(),  # a capture sees all rows
-                        "quantize": r.quantize}
+                        "quantize": r.quantize, "weights": self.shards.weights(self.model),
+                        "tensor_parallel": r.engine_tp}
             self.engine = engines.build(r.engine, self.model, self.tokenizer,     # sees all N rows
                                         **engines.options_for(r.engine, settings))
         else:
             if self.cfg.rollout.engine_sleep:   # woken before its weights are written
                 self.engine.wake_up()
             if not self.engine.samples_on(self.model):   # (hf on the policy: its own weights)
-                self.engine.update_weights(self.model.state_dict(), version)
+                t0 = time.perf_counter()
+                self.engine.update_weights(self.shards.weights(self.model), version)
+                self.sync_s += time.perf_counter() - t0
         self.engine.version = version
         return self.engine
 
@@ -218,7 +242,7 @@ class Collector:
         measure = self.measures_routing(engine)
         capture = replay or measure
         with moe.capture_routing(engine.module) if capture else contextlib.nullcontext() as cap, \
-                self.shards.full_params():      # fsdp: gathered, so ranks may generate unequal lengths
+                self.gathered(engine):          # fsdp + hf: ranks may generate unequal lengths
             batch = self.episode(engine, self.tokenizer, examples, self.sampling,
                                  group_size=cfg.rollout.group_size, seed=seed,
                                  with_logprobs=with_logprobs)
@@ -229,6 +253,12 @@ class Collector:
             if measure:
                 self.routing_stats = self.routing_disagreement(batch, sampled)
         return batch
+
+    def gathered(self, engine: engines.Engine) -> ContextManager:
+        """Around a generation through ``engine``: fsdp's parameters gathered on every rank when
+        the engine samples on the policy's module (hf), so that its forwards run without
+        collectives; an engine with its own copy of the weights (vllm) needs nothing."""
+        return self.shards.full_params() if engine.module is not None else contextlib.nullcontext()
 
     def captures_at_generation(self) -> bool:
         """Experts captured while sampling: R3 (moe.routing_replay=rollout), or a MoE policy
@@ -259,7 +289,10 @@ class Collector:
                 ) -> tuple[RolloutBatch | None, torch.Tensor, dict]:
         """Generate and score P groups; with dynamic sampling, drop zero-variance groups and refill.
         The engine sleeps once the step's generation is done (``sleep_engine``)."""
+        self.sync_s = 0.0
         batch, rewards, metrics = self.collect_groups(step, version)
+        if self.sync_s:
+            metrics["time/weight_sync_s"] = self.sync_s
         self.sleep_engine()
         if batch is not None:
             batch.version = version
@@ -272,10 +305,14 @@ class Collector:
         rounds = 1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)
         limit = len(range(P)[self.shards.share(P)]) * G        # this rank's rows (P·G in one process)
         kept_batches, kept_rewards, extra, first_stats = [], [], {}, None
+        sampled, mine = self.engine_share(), self.shards.share(P)
+        own_rows = torch.arange((mine.start - sampled.start) * G, (mine.stop - sampled.start) * G)
         for rnd in range(rounds):
-            examples = [self.train_set[i] for i in self.shards.shard(self.cursor.take(P))]
+            examples = [self.train_set[i] for i in self.cursor.take(P)[sampled]]
             t0 = time.perf_counter()
             batch = self.generate(examples, seed=self.seed(step, rnd), version=version)
+            if sampled != mine:      # a tensor-parallel group sampled its ranks' prompts together
+                batch = batch.select(own_rows)
             extra["time/generate_s"] = extra.get("time/generate_s", 0.0) + time.perf_counter() - t0
             t0 = time.perf_counter()
             result = self.rewards(batch.completions, batch.examples)

@@ -72,8 +72,13 @@ class Engine(ABC):
     engine is built once per process. False: the worker builds its own (hf: on its policy copy)."""
     own_kernels: bool = False
     """Samples with its own kernels from its own copy of the weights (vllm): it returns no expert
-    routing, takes whole weights (no LoRA adapters), and one engine per process group is not
-    built; gspo.config.resolve refuses those configs."""
+    routing and takes whole weights (no LoRA adapters); gspo.config.resolve refuses those
+    configs."""
+    seeds_per_prompt: bool = False
+    """``generate(seed=s)`` seeds prompt p of the call with s + p, independently of the other
+    prompts (vllm: a generator per request), so the prompts of a batch split over calls (ranks)
+    with seeds offset by each share's first index sample exactly the one-call batch. False (hf):
+    one generator per call, seeded with s."""
     default_correction: str = "none"
     """train.rollout_correction.mode when the config leaves it unset: none when the policy
     samples itself; tis (cap 2) for vllm, whose kernels give other log-probs than the trainer's
@@ -185,15 +190,26 @@ def policy_weights(model: PreTrainedModel, weights: Mapping[str, torch.Tensor] |
     architecture; None: ``model``'s own) as a checkpoint stores it (transformers' in-memory
     layouts reverted, e.g. a MoE's fused experts back to one tensor per expert, as
     ``save_pretrained`` writes them), ``lm_head.weight`` included even when the embeddings are
-    tied (an engine that unties them would otherwise keep a stale head)."""
+    tied (an engine that unties them would otherwise keep a stale head).
+
+    One weight at a time: ``weights[name]`` is read only when its turn comes, so a mapping that
+    gathers each tensor as it is read (FSDP's shards, ``gspo.training.distributed``) never holds
+    a second whole model. Each in-memory tensor is reverted on its own (a fused tensor splits
+    into checkpoint tensors; none is merged from several)."""
     weights = model.state_dict() if weights is None else weights
-    state = revert_weight_conversion(model, dict(weights))
+    names = list(weights.keys())
     head = model.get_output_embeddings()
-    if "lm_head.weight" not in state and head is not None:
-        tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight]
-        state["lm_head.weight"] = next((weights[n] for n in tied if n in weights), head.weight)
-    for name, tensor in state.items():
-        yield name, tensor.detach()
+    tied = None
+    if "lm_head.weight" not in names and head is not None:
+        shares = [n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight]
+        tied = next((n for n in shares if n in weights), None)
+    for name in names:
+        for out, tensor in revert_weight_conversion(model, {name: weights[name]}).items():
+            yield out, tensor.detach()
+            if name == tied:
+                yield "lm_head.weight", tensor.detach()
+    if tied is None and "lm_head.weight" not in names and head is not None:
+        yield "lm_head.weight", head.weight.detach()
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -282,6 +298,24 @@ def forget_moe_kernels(worker) -> int:
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def under_launcher() -> bool:
+    """Whether this process is one rank of several of a torch.distributed job (torchrun)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def save_architecture(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str) -> None:
+    """The model's config (with its architecture, as ``save_pretrained`` records it), generation
+    config and tokenizer, no weights: what vLLM builds a ``load_format="dummy"`` engine from.
+    Written by every rank (``save_pretrained`` writes on rank 0 only under torch.distributed)."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 @register("vllm", requires="vllm")
 class VLLMEngine(Engine):
     """vLLM in this process, built from the policy's weights; in-place weight updates.
@@ -290,7 +324,10 @@ class VLLMEngine(Engine):
     ``generate`` seeds prompt p's G samples with ``seed + p`` (``generate``'s seed), so a batch is
     reproducible for a seed on one machine and engine version. ``gpu_memory_utilization`` and
     ``enable_sleep_mode`` go to vLLM on a GPU; ``kv_cache_gib``: the KV cache on a CPU (vLLM's
-    default, 4 GiB and a warm-up pass, is far more than the tiny presets need)."""
+    default, 4 GiB and a warm-up pass, is far more than the tiny presets need). ``weights``: the
+    weights to load (default: the model's own; a sharded policy hands them gathered one tensor at
+    a time). Under torchrun every rank builds its own engine through vLLM's external launcher
+    (``tensor_parallel``: ranks per engine, consecutive ranks; 1: an engine per rank)."""
 
     refuses: dict[str, str] = {}
     """config.model_type -> why this engine cannot serve it (each one shown by a test); none now:
@@ -298,12 +335,15 @@ class VLLMEngine(Engine):
     always_logprobs = True
     shared = True
     own_kernels = True
+    seeds_per_prompt = True
     default_correction = "tis"
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  dtype: torch.dtype | None = None, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  enable_sleep_mode: bool = False, max_model_len: int | None = None,
-                 kv_cache_gib: int = 1, quantize: str | None = None, **llm_options):
+                 kv_cache_gib: int = 1, quantize: str | None = None,
+                 weights: Mapping[str, torch.Tensor] | None = None, tensor_parallel: int = 1,
+                 **llm_options):
         # In-process engine core: the model runner (reload_weights) is reachable, and no worker
         # process is spawned (which would need the caller under `if __name__ == "__main__"`).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -315,7 +355,17 @@ class VLLMEngine(Engine):
         self._vllm, self._prompt = vllm, TokensPrompt
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self._dir = tempfile.TemporaryDirectory(prefix="gspo-vllm-")
-        save_model(model, tokenizer, self._dir.name)            # once; later syncs stay in memory
+        self.launched = under_launcher()
+        """Built in one process of a torchrun job (vLLM's external launcher: every rank builds its
+        engine at the same moment, the build is a collective), from the architecture alone; the
+        weights arrive by ``update_weights``."""
+        if self.launched:
+            save_architecture(model, tokenizer, self._dir.name)
+            launch = dict(load_format="dummy", distributed_executor_backend="external_launcher",
+                          tensor_parallel_size=tensor_parallel)
+        else:
+            save_model(model, tokenizer, self._dir.name)        # once; later syncs stay in memory
+            launch = {}
         platform = (dict(gpu_memory_utilization=gpu_memory_utilization,
                          enable_sleep_mode=enable_sleep_mode) if on_gpu
                     else whole_prefills(max_model_len or model.config.max_position_embeddings))
@@ -323,7 +373,7 @@ class VLLMEngine(Engine):
                             dtype=VLLM_DTYPES[dtype or next(model.parameters()).dtype], seed=seed,
                             enforce_eager=True, max_model_len=max_model_len,
                             logprobs_mode="processed_logprobs",   # after temperature, as the trainer's
-                            **{**platform, **llm_options})
+                            **{**platform, **launch, **llm_options})
         self.on_gpu = on_gpu
         self.can_sleep = on_gpu and enable_sleep_mode
         self.sleeping = False
@@ -333,8 +383,8 @@ class VLLMEngine(Engine):
         self.quantize = quantize
         """int8 | fp8: each weight matrix rounded to that format as it is loaded (gspo.core.quantize;
         the scales are per matrix as the checkpoint stores it, one expert's projection each)."""
-        if quantize is not None:
-            self.update_weights(model.state_dict(), None)
+        if quantize is not None or self.launched:
+            self.update_weights(model.state_dict() if weights is None else weights, None)
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int | None) -> None:
         if not self.on_gpu:   # CPU MoE: prepack the reloaded experts as a first load does

@@ -166,6 +166,8 @@ class AsyncSource:
         metrics = {**metrics,
                    "async/worker_generate_s": metrics.pop("time/generate_s", 0.0),
                    "async/worker_reward_s": metrics.pop("time/reward_s", 0.0),
+                   **({"async/worker_weight_sync_s": metrics.pop("time/weight_sync_s")}
+                      if "time/weight_sync_s" in metrics else {}),
                    **worker,
                    "async/staleness": float(step - version), "async/wait_s/trainer": waited,
                    "async/dropped_batches": float(self.dropped),

@@ -94,11 +94,15 @@ class Ranks:
         dist.all_gather_object(out, obj)
         return out
 
-    def on_main(self, fn: Callable):
-        """``fn()`` run on rank 0 only; its result (or its exception) reaches every rank."""
+    def on_main(self, fn: Callable, alongside: int = 1):
+        """``fn()`` run on rank 0 only; its result (or its exception) reaches every rank.
+        ``alongside`` > 1: ranks 1 .. alongside-1 run it too, in step with rank 0 (the ranks of
+        one tensor-parallel engine, which generate together), and rank 0's result is kept."""
         if not self.enabled:
             return fn()
         box: list = [None]
+        if not self.is_main and self.rank < alongside:
+            fn()
         if self.is_main:
             try:
                 box[0] = ("ok", fn())
@@ -148,6 +152,13 @@ class Ranks:
         base, extra = divmod(n, self.world)
         start = self.rank * base + min(self.rank, extra)
         return slice(start, start + base + (self.rank < extra))
+
+    def group_share(self, n: int, size: int) -> slice:
+        """The shares of n items of this rank's group of ``size`` consecutive ranks, together
+        (ranks g·size .. (g+1)·size - 1: one tensor-parallel engine's); size 1: ``share``."""
+        first = self.rank - self.rank % size
+        return slice(Ranks(first, self.world).share(n).start,
+                     Ranks(first + size - 1, self.world).share(n).stop)
 
     def shard(self, items: list) -> list:
         """This rank's share of the step's prompts (all of them in one process)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -173,6 +174,14 @@ class Dist(Ranks):
             return out
         return response_logprobs(model, *args, **kwargs)
 
+    def weights(self, model: nn.Module) -> Mapping[str, Tensor]:
+        """The model's weights by name, whole: its ``state_dict``; fsdp: each tensor gathered
+        from the ranks' shards when it is read (``Gathered``), so a reader that takes them one at
+        a time (an engine's weight sync) holds one whole tensor at once, never a second model.
+        Every rank must read the same names in the same order (each read is a collective)."""
+        state = model.state_dict()
+        return Gathered(state) if self.policy is not None else state
+
     @contextlib.contextmanager
     def full_params(self):
         """fsdp: all parameters gathered on every rank for the block (generation, evaluation), so
@@ -194,6 +203,24 @@ class Dist(Ranks):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+class Gathered(Mapping):
+    """A sharded ``state_dict`` read as whole tensors: ``[name]`` all-gathers that DTensor
+    (``full_tensor``, a collective), a plain tensor is returned as it is."""
+
+    def __init__(self, state: Mapping[str, Tensor]):
+        self.state = state
+
+    def __getitem__(self, name: str) -> Tensor:
+        t = self.state[name]
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
 
 def buckets(tensors: list[Tensor], limit: int = BUCKET_NUMEL):
     """Consecutive groups of same-dtype, same-device tensors of at most ``limit`` elements."""

@@ -226,13 +226,14 @@ class RLStep:
         """The objective's loss (+ the MoE router loss), + β·KL(π_θ‖π_ref) − c·H: the total to
         differentiate, and the minibatch's detached stats."""
         train, agg, mask = self.cfg.train, self.aggregation, mb.mask[mb.idx]
-        stats = {**{f"policy/{k}": v for k, v in stats.items()}, **fwd.stats}
+        measured = mb.live     # a stand-in row (no row of the minibatch here) measures nothing
+        stats = {**{f"policy/{k}": v for k, v in stats.items()}, **(fwd.stats if measured else {})}
         aux = self.passes.router_loss(fwd)
         if aux is not None:
             loss = loss + self.cfg.moe.aux_loss_coef * aux * self.ranks.token_share(mask, counts)
             stats["moe/aux_loss"] = aux.detach()
         stats["policy/loss"] = loss.detach()
-        if fwd.entropy is not None:   # entropy of the rows trained on
+        if fwd.entropy is not None and measured:   # entropy of the rows trained on
             stats["policy/entropy"] = objectives.aggregate(fwd.entropy.detach(), fwd.mask, agg)
         total = loss
         if ref_logp is not None:  # (the plan trains every row when beta > 0 or entropy_coef > 0)

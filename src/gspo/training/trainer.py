@@ -186,13 +186,15 @@ class Trainer:
         its result sent to every rank)."""
         e = self.cfg.eval
         examples = self.test_set if examples is None else examples
-        with self.dist.full_params(), self.rollouts.rng_lock:  # async: not while the worker samples
-            return self.dist.on_main(lambda: evaluate(
-                self.model, self.tokenizer, self.task, examples,
-                max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
-                temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
-                engine=self.collector.eval_engine(),    # vllm: the same engine; hf: the policy
-                episode=None if self.cfg.multiturn.env is None else self.episode))
+        with self.rollouts.rng_lock:                    # async: not while the worker samples
+            engine = self.collector.eval_engine()       # vllm: the same engine; hf: the policy
+            with self.collector.gathered(engine):       # (every rank: fsdp gathers, vllm syncs)
+                return self.dist.on_main(lambda: evaluate(
+                    self.model, self.tokenizer, self.task, examples,
+                    max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
+                    temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
+                    engine=engine, episode=None if self.cfg.multiturn.env is None else self.episode),
+                    alongside=self.collector.engine_group())
 
     def wall(self) -> float:
         """Seconds of training so far, over all resumed sessions."""

@@ -1,0 +1,132 @@
+"""rollout.engine=vllm under torchrun: an engine per rank, each sampling its share of the prompts
+(skipped where vLLM is not installed; `make test-vllm` runs this file in a pytest process of its
+own).
+
+Why 2 ranks can repeat 1 process: vLLM seeds prompt p of a call with seed + p (a generator per
+request), and each rank's seed is the step's offset by the index of its first prompt, so the
+ranks' shares are sampled exactly as the one-process call samples them (the per-rank engine is
+built from the architecture alone and gets its weights by the in-place sync, bit-equal to the
+checkpoint the one-process engine loads). The update then differs from one process only by the
+order in which gradients are summed over ranks.
+
+* 2 ranks (ddp) vs 1 process, 3 steps: every reward, response and evaluation metric equal
+  (the same tokens were sampled); losses, ratios, clip fractions and mismatch/* equal to 1e-5
+  relative (sums over rows that the ranks add in another order), mismatch/* (the engine's
+  gaps to the trainer, ~1e-7 each) within the engine's tolerance; the final weights equal to
+  1e-6 (gradients summed in another order before each AdamW step).
+* fsdp, resumed from the ddp run's step-1 checkpoint: the engines are synced from weights
+  gathered one tensor at a time, and on every step their log-probs equal the trainer's to TOL
+  (a wrong or missed sync is off by > 1e-3, test_vllm_train.py).
+* stopped after step 1 and resumed under torchrun (ddp): the run repeats the uninterrupted one
+  exactly on this machine (metrics but time/*, final weights).
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from gspo.models.presets import load_model  # noqa: E402
+from gspo.observe.metrics import read_metrics  # noqa: E402
+
+STEPS = 3
+TOL = 5e-5
+"""vLLM's float32 log-probs against the trainer's (as test_vllm_train.py)."""
+RUN = ["configs/default.yaml", "rollout.engine=vllm", "sft.steps=150", f"train.steps={STEPS}",
+       "train.lr=1e-3", "rollout.prompts_per_step=8", "rollout.group_size=4", "task.n_test=8",
+       "run.eval_every=0", "run.trackers=[]", "run.progress=false", "run.save_every=1",
+       "run.keep_checkpoints=4"]
+SAMPLED = ("reward/", "response/", "eval/")
+"""What the samples alone decide: equal (reward/std aside, pooled from the ranks' stds); the
+rest (losses, ratios, mismatch/*) are sums over rows that the ranks add in another order."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gspo(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "gspo"] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "gspo"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def timeless(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def weights(run, step=STEPS):
+    return load_model(run / "checkpoints" / f"step_{step:06d}")[0].state_dict()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process and 2 ranks (ddp), the same job, the cold start shared."""
+    root = tmp_path_factory.mktemp("vllm-torchrun")
+    cache = f"sft.cache_dir={root / 'sft'}"
+    gspo("train", *RUN, f"run.dir={root / 'one'}", cache)
+    gspo("train", *RUN, f"run.dir={root / 'two'}", cache, ranks=2)
+    return root
+
+
+def test_two_ranks_sample_and_train_as_one_process(runs):
+    one, two = timeless(read_metrics(runs / "one")), timeless(read_metrics(runs / "two"))
+    assert [r["step"] for r in two] == list(range(STEPS + 1))
+    assert all("mismatch/kl" in r for r in two[1:])           # every step sampled through vLLM
+    assert any(r["reward/std"] > 0 for r in two[1:])          # and trained on some signal
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys(), a["step"]
+        for key in a:
+            if key.startswith(SAMPLED) and key != "reward/std":
+                assert b[key] == a[key], (a["step"], key, a[key], b[key])
+            elif key.startswith("mismatch/"):     # engine vs trainer gaps, each within TOL
+                assert b[key] == pytest.approx(a[key], abs=TOL), (a["step"], key)
+            else:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    w1, w2 = weights(runs / "one"), weights(runs / "two")
+    assert w1.keys() == w2.keys()
+    gap = max((w1[k] - w2[k]).abs().max().item() for k in w1)
+    assert gap < 1e-6, gap
+
+
+def test_fsdp_engines_are_synced_from_gathered_shards(runs, tmp_path):
+    run = tmp_path / "fsdp"
+    shutil.copytree(runs / "two", run)
+    for later in range(2, STEPS + 1):
+        shutil.rmtree(run / "checkpoints" / f"step_{later:06d}")
+    (run / "summary.json").unlink()
+    gspo("train", "--resume", str(run), "dist.strategy=fsdp", ranks=2)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(STEPS + 1))
+    for r in rows[2:]:            # engines built fresh, synced from the sharded weights each step
+        assert r["mismatch/token_abs_max"] < TOL, r
+    ddp = read_metrics(runs / "two")
+    assert [r["reward/mean"] for r in rows[2:]] == pytest.approx([r["reward/mean"] for r in ddp[2:]])
+
+
+def test_a_torchrun_vllm_run_resumes_exactly(runs, tmp_path):
+    run = tmp_path / "resumed"
+    shutil.copytree(runs / "two", run)
+    for later in range(2, STEPS + 1):
+        shutil.rmtree(run / "checkpoints" / f"step_{later:06d}")
+    (run / "summary.json").unlink()
+    out = gspo("train", "--resume", str(run), ranks=2)
+    assert "(step 1)" in out.stderr
+    assert timeless(read_metrics(run)) == timeless(read_metrics(runs / "two"))
+    assert json.loads((run / "summary.json").read_text())["eval_after"] == \
+        json.loads((runs / "two" / "summary.json").read_text())["eval_after"]
+    a, b = weights(runs / "two"), weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
