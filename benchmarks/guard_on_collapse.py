@@ -3,8 +3,12 @@ roll-back recover?
 
 The collapse is the cheap one the stress calibration found (docs/results.md, "Stability"): GRPO on
 tiny-moe at lr 1e-3 with M = 8 minibatches per batch loses its held-out accuracy within a few
-steps, whatever the sampler. Each run is a `gspo train` of configs/moe.yaml at that setting, with
-a held-out evaluation after every RL step. Three modes, each on every seed:
+steps, whatever the sampler. Run from the start at that rate (warm-up 10 steps), a run falls
+without gaining first, so the crash rule of `gspo compare` (a gain of 0.10, then a fall) does not
+call it a crash; here GRPO first trains at lr 1e-4 (where it gains), and from step ``--jump``
+on at ``--factor`` times that, 1e-3 by default (``faults.lr_factor``, the guard's own fault
+injection). Each run is a `gspo train` of configs/moe.yaml with a held-out evaluation (the
+whole 200-prompt test split, greedy) after every RL step. Three modes, each on every seed:
 
 * ``observe``: the guard's rules (``RULES``) with action ``warn``: it records when each would
   have fired and changes nothing. Its first trigger is set against the collapse step, computed
@@ -12,18 +16,19 @@ a held-out evaluation after every RL step. Three modes, each on every seed:
 * ``rollback``: the same rules with action ``rollback``, a checkpoint every step,
   ``guard.rollback_lr_scale`` 0.5, ``guard.max_rollbacks`` 3 (one trigger more pauses the run):
   does the run end without a crash, and how many roll-backs did it take?
-* ``control``: ``observe`` at lr 1e-4, where GRPO does not collapse: what the rules fire on a
-  healthy run (their false alarms).
+* ``control``: ``observe`` without the jump (lr 1e-4 throughout), where GRPO does not collapse:
+  what the rules fire on a healthy run (their false alarms).
 
-The rules and their thresholds were written down before the measured runs (after one pilot run of
-20 steps, seed 0, lr 1e-3, whose only firing rule was the routing one; the grad-norm and entropy
-rules were added then, their thresholds from the calibration's healthy cells, not from the pilot).
+The guard checks a step's training metrics after its update and before that step's evaluation;
+a roll-back discards the update, so its held-out accuracy is never measured. The rules and their
+thresholds were written down before the measured runs, after three pilots on seed 0 (lr 1e-3
+from the start, warm-up 10 and 20: no gain of 0.10 first; the jump at step 13: a crash at 13).
 A run *recovered* when the crash rule finds no crash and its last held-out accuracy is at least
 its cold start's.
 
 Usage (one run at a time; each is a subprocess with one torch thread):
-    python benchmarks/guard_on_collapse.py --out runs/guard [--seeds 0,1,2,3,4] [--steps 30]
-        [--modes observe,rollback,control]
+    python benchmarks/guard_on_collapse.py --out runs/guard [--seeds 0,1,2,3,4] [--steps 40]
+        [--jump 13] [--factor 10] [--modes observe,rollback,control]
 Writes OUT/guard.json and OUT/guard.md (per run and per rule).
 """
 
@@ -60,13 +65,15 @@ RULES = [
 ]
 """The guard's rules (every kind's default metric but the last); the mode sets their action."""
 
-LR = {"observe": "1e-3", "rollback": "1e-3", "control": "1e-4"}
-"""GRPO's peak learning rate per mode (1e-3 collapsed every tiny-moe calibration cell)."""
+LR = 1e-4
+"""GRPO's learning rate before the jump (it gains there: the calibration's lr-1e-4 cells)."""
 ACTION = {"observe": "warn", "rollback": "rollback", "control": "warn"}
+JUMPS = {"observe": True, "rollback": True, "control": False}
+"""Whether the mode's learning rate jumps by --factor at step --jump."""
 EXTRA = {"observe": [], "control": [],
          "rollback": ["run.save_every=1", "run.keep_checkpoints=2", "guard.max_rollbacks=3",
                       "guard.rollback_lr_scale=0.5"]}
-"""Overrides of a mode besides its learning rate and its rules' action."""
+"""Overrides of a mode besides its rules' action."""
 
 
 def rule_name(rule: dict) -> str:
@@ -80,9 +87,10 @@ def guard_rules(action: str) -> str:
     return f"guard.rules=[{items}]"
 
 
-def run_overrides(mode: str, seed: int, steps: int, out: Path) -> list[str]:
+def run_overrides(mode: str, seed: int, steps: int, jump: int, factor: float, out: Path) -> list[str]:
+    jumps = [f"faults.lr_factor={factor}", f"faults.lr_from_step={jump}"] if JUMPS[mode] else []
     return [f"run.dir={out / mode / f'seed{seed}'}", "run.overwrite=true", f"seed={seed}",
-            "objective.name=grpo", f"train.lr={LR[mode]}", "train.minibatches=8", f"train.steps={steps}",
+            "objective.name=grpo", f"train.lr={LR}", *jumps, "train.minibatches=8", f"train.steps={steps}",
             "run.eval_every=1", "run.save_every=0", "run.progress=false", "run.trackers=[]",
             "run.threads=1", "eval.k=1", "eval.keep_best=false", f"sft.cache_dir={out / 'sft-cache'}",
             guard_rules(ACTION[mode]), *EXTRA[mode]]
@@ -97,7 +105,7 @@ def first_triggers(events: list[dict]) -> dict[str, int | None]:
     return first
 
 
-def analyse(mode: str, seed: int, run_dir: Path, returncode: int) -> dict:
+def analyse(mode: str, seed: int, run_dir: Path, returncode: int, lr_after: float) -> dict:
     """One run's collapse (the crash rule), the guard's triggers and roll-backs."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     events = read_events(run_dir)
@@ -109,7 +117,7 @@ def analyse(mode: str, seed: int, run_dir: Path, returncode: int) -> dict:
     rollbacks = [e for e in events if e["event"] == "rollback"]
     cold, final = series[0][1], series[-1][1]
     best_step, best = max(series, key=lambda p: (p[1], -p[0]))
-    return {"mode": mode, "seed": seed, "lr": float(LR[mode]), "paused": returncode == 3,
+    return {"mode": mode, "seed": seed, "lr": lr_after, "paused": returncode == 3,
             "cold": cold, "best": best, "best_step": best_step, "final": final,
             "final_step": series[-1][0], "crash": crash,
             "first_trigger": first_any,
@@ -122,14 +130,15 @@ def analyse(mode: str, seed: int, run_dir: Path, returncode: int) -> dict:
             "accuracy": [a for _, a in series]}
 
 
-def run(mode: str, seed: int, steps: int, out: Path) -> dict:
+def run(mode: str, seed: int, steps: int, jump: int, factor: float, out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "gspo", "train", str(ROOT / "configs" / "moe.yaml"),
-           *run_overrides(mode, seed, steps, out)]
+           *run_overrides(mode, seed, steps, jump, factor, out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode not in (0, 3):                 # 3: the guard paused the run (used up roll-backs)
         return {"mode": mode, "seed": seed, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    return analyse(mode, seed, out / mode / f"seed{seed}", proc.returncode)
+    return analyse(mode, seed, out / mode / f"seed{seed}", proc.returncode,
+                   LR * factor if JUMPS[mode] else LR)
 
 
 def fmt(x, spec: str = "") -> str:
@@ -139,7 +148,7 @@ def fmt(x, spec: str = "") -> str:
 def tables(rows: list[dict]) -> list[str]:
     names = [rule_name(r) for r in RULES]
     short = {n: n.replace("metric:moe/routing_change_rate", "routing") for n in names}
-    lines = ["| mode | seed | lr | cold -> best (step) -> final | crash step (by) | first trigger (rule) "
+    lines = ["| mode | seed | lr after the jump | cold -> best (step) -> final | crash step (by) | first trigger (rule) "
              "| lead, steps | " + " | ".join(short[n] for n in names) + " | roll-backs (step -> to) | recovered |",
              "|---" * (9 + len(names)) + "|"]
     for r in rows:
@@ -148,7 +157,7 @@ def tables(rows: list[dict]) -> list[str]:
             continue
         c = r["crash"]
         backs = ", ".join(f"{a}->{b}" for a, b in r["rollback_steps"]) or "0"
-        backs = f"{r['rollbacks']} ({backs})" if r["rollbacks"] else "0"
+        backs = f"{r['rollbacks']} ({backs}; lr x {r['lr_scale']:g})" if r["rollbacks"] else "0"
         lines.append(
             f"| {r['mode']} | {r['seed']} | {r['lr']:g} | {r['cold']:.3f} -> {r['best']:.3f} ({r['best_step']}) -> "
             f"{r['final']:.3f} | {fmt(c['step'])}{' (' + c['by'] + ')' if c['by'] else ''} | "
@@ -168,7 +177,7 @@ def summary(rows: list[dict]) -> list[str]:
         leads = [r["lead"] for r in rs if r["lead"] is not None]
         finals = [r["final"] for r in rs]
         lines.append(
-            f"* **{mode}** (lr {rs[0]['lr']:g}, {len(rs)} seeds): crashed {len(crashed)}/{len(rs)}"
+            f"* **{mode}** (lr {LR:g}, then {rs[0]['lr']:g}, {len(rs)} seeds): crashed {len(crashed)}/{len(rs)}"
             f"{' at steps ' + ', '.join(str(r['crash']['step']) for r in crashed) if crashed else ''}; "
             f"the guard fired in {sum(r['first_trigger'] is not None for r in rs)}/{len(rs)} runs, "
             f"first at steps {', '.join(fmt(r['first_trigger']) for r in rs)}; "
@@ -186,7 +195,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/guard")
     parser.add_argument("--seeds", default="0,1,2,3,4")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--jump", type=int, default=13, help="first RL step at the higher lr")
+    parser.add_argument("--factor", type=float, default=10.0, help="the jump: lr 1e-4 x this")
     parser.add_argument("--modes", default="observe,rollback,control")
     args = parser.parse_args()
     out = Path(args.out)
@@ -194,12 +205,14 @@ def main() -> int:
     rows = []
     for mode in args.modes.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
-            rows.append(run(mode, seed, args.steps, out))
+            rows.append(run(mode, seed, args.steps, args.jump, args.factor, out))
             print(json.dumps({k: rows[-1].get(k) for k in ("mode", "seed", "crash", "first_trigger",
                                                             "rollbacks", "final", "error")}), flush=True)
-    (out / "guard.json").write_text(json.dumps({"rules": RULES, "lr": LR, "extra": EXTRA,
+    (out / "guard.json").write_text(json.dumps({"rules": RULES, "lr": LR, "jump": args.jump,
+                                                "factor": args.factor, "extra": EXTRA,
                                                 "steps": args.steps, "runs": rows}, indent=1))
     lines = [f"# The guard on GRPO's learning-rate collapse ({args.steps} RL steps, tiny-moe, M = 8, "
+             f"lr {LR:g}, x {args.factor:g} from step {args.jump} but in control, "
              "held-out evaluation every step)", "",
              "Rules (action `warn` in observe / control, `rollback` in rollback): " +
              "; ".join(f"{rule_name(r)} {'<' if r['kind'] == 'entropy' else '>'} {r['threshold']}"
