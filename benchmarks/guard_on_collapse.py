@@ -23,8 +23,10 @@ The guard checks a step's training metrics after its update and before that step
 a roll-back discards the update, so its held-out accuracy is never measured. The rules and their
 thresholds were written down before the measured runs, after three pilots on seed 0 (lr 1e-3
 from the start, warm-up 10 and 20: no gain of 0.10 first; the jump at step 13: a crash at 13).
-A run *recovered* when the crash rule finds no crash and its last held-out accuracy is at least
-its cold start's.
+Besides the crash rule, the milder "collapsed" of `gspo compare`'s table (compare_stats.collapsed:
+a gain of at least 0.05, then ending below cold start + half of it), with the step it fell for
+good. A run *recovered* when neither finds a fall and its last held-out accuracy is at least its
+cold start's.
 
 Usage (one run at a time; each is a subprocess with one torch thread):
     python benchmarks/guard_on_collapse.py --out runs/guard [--seeds 0,1,2,3,4] [--steps 40]
@@ -46,7 +48,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from gspo.observe.stability_rules import read_events  # noqa: E402
-from gspo.tools.compare_stats import crash_stats, eval_series  # noqa: E402
+from gspo.tools.compare_stats import accuracy_crash, collapsed, crash_stats, eval_series  # noqa: E402
+
+COLLAPSE_MIN_GAIN = 0.05
+"""`gspo compare`'s default collapse_min_gain: the table's milder "collapsed" (compare_stats.collapsed)."""
 
 RULES = [
     {"kind": "approx_kl", "threshold": 0.05},
@@ -105,8 +110,18 @@ def first_triggers(events: list[dict]) -> dict[str, int | None]:
     return first
 
 
-def analyse(mode: str, seed: int, run_dir: Path, returncode: int, lr_after: float) -> dict:
-    """One run's collapse (the crash rule), the guard's triggers and roll-backs."""
+def fall_step(series: list[tuple[int, float]]) -> int | None:
+    """Where a run that `collapsed` (the milder rule) fell for good: the first evaluation of the
+    final stretch below cold start + half its best gain (accuracy_crash with that line)."""
+    if not collapsed(series, COLLAPSE_MIN_GAIN):
+        return None
+    gain = max(a for _, a in series) - series[0][1]
+    return accuracy_crash(series, COLLAPSE_MIN_GAIN, -gain / 2)
+
+
+def analyse(mode: str, seed: int, run_dir: Path, lr_after: float) -> dict:
+    """One run's collapse (the crash rule, and the milder "collapsed"), the guard's triggers and
+    roll-backs."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     events = read_events(run_dir)
     series = eval_series(rows)
@@ -116,29 +131,32 @@ def analyse(mode: str, seed: int, run_dir: Path, returncode: int, lr_after: floa
     first_any = min(fired) if fired else None
     rollbacks = [e for e in events if e["event"] == "rollback"]
     cold, final = series[0][1], series[-1][1]
+    fell = fall_step(series)
     best_step, best = max(series, key=lambda p: (p[1], -p[0]))
-    return {"mode": mode, "seed": seed, "lr": lr_after, "paused": returncode == 3,
+    return {"mode": mode, "seed": seed, "lr": lr_after, "paused": any(e["event"] == "pause" for e in events),
             "cold": cold, "best": best, "best_step": best_step, "final": final,
             "final_step": series[-1][0], "crash": crash,
             "first_trigger": first_any,
             "first_rule": next((n for n, s in first.items() if s == first_any), None),
             "lead": None if first_any is None or crash["step"] is None else crash["step"] - first_any,
+            "collapsed": fell is not None, "fall_step": fell,
+            "fall_lead": None if first_any is None or fell is None else fell - first_any,
             "rules": first, "triggers": sum(e["event"] == "trigger" for e in events),
             "rollbacks": len(rollbacks), "rollback_steps": [[e["step"], e["to_step"]] for e in rollbacks],
             "lr_scale": rollbacks[-1]["lr_scale"] if rollbacks else 1.0,
-            "recovered": (not crash["crashed"]) and final >= cold,
+            "recovered": not crash["crashed"] and fell is None and final >= cold,
             "accuracy": [a for _, a in series]}
 
 
 def run(mode: str, seed: int, steps: int, jump: int, factor: float, out: Path) -> dict:
+    """Train one run (a subprocess) and analyse it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "gspo", "train", str(ROOT / "configs" / "moe.yaml"),
            *run_overrides(mode, seed, steps, jump, factor, out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode not in (0, 3):                 # 3: the guard paused the run (used up roll-backs)
         return {"mode": mode, "seed": seed, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    return analyse(mode, seed, out / mode / f"seed{seed}", proc.returncode,
-                   LR * factor if JUMPS[mode] else LR)
+    return analyse(mode, seed, out / mode / f"seed{seed}", LR * factor if JUMPS[mode] else LR)
 
 
 def fmt(x, spec: str = "") -> str:
@@ -148,23 +166,31 @@ def fmt(x, spec: str = "") -> str:
 def tables(rows: list[dict]) -> list[str]:
     names = [rule_name(r) for r in RULES]
     short = {n: n.replace("metric:moe/routing_change_rate", "routing") for n in names}
-    lines = ["| mode | seed | lr after the jump | cold -> best (step) -> final | crash step (by) | first trigger (rule) "
-             "| lead, steps | " + " | ".join(short[n] for n in names) + " | roll-backs (step -> to) | recovered |",
+    lines = ["| mode | seed | cold -> best (step) -> final | crash (by) | fall | first trigger (rule) "
+             "| lead to crash / fall | " + " | ".join(short[n] for n in names) +
+             " | roll-backs (step -> to) | recovered |",
              "|---" * (9 + len(names)) + "|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['mode']} | {r['seed']} | error: {r['error'][:80]} |")
             continue
         c = r["crash"]
-        backs = ", ".join(f"{a}->{b}" for a, b in r["rollback_steps"]) or "0"
+        backs = ", ".join(f"{a}->{b}" for a, b in r["rollback_steps"])
         backs = f"{r['rollbacks']} ({backs}; lr x {r['lr_scale']:g})" if r["rollbacks"] else "0"
         lines.append(
-            f"| {r['mode']} | {r['seed']} | {r['lr']:g} | {r['cold']:.3f} -> {r['best']:.3f} ({r['best_step']}) -> "
+            f"| {r['mode']} | {r['seed']} | {r['cold']:.3f} -> {r['best']:.3f} ({r['best_step']}) -> "
             f"{r['final']:.3f} | {fmt(c['step'])}{' (' + c['by'] + ')' if c['by'] else ''} | "
+            f"{fmt(r['fall_step'])} | "
             f"{fmt(r['first_trigger'])}{' (' + short[r['first_rule']] + ')' if r['first_rule'] else ''} | "
-            f"{fmt(r['lead'])} | " + " | ".join(fmt(r["rules"][n]) for n in names) +
-            f" | {backs}{' then paused' if r['paused'] else ''} | {'yes' if r['recovered'] else 'no'} |")
+            f"{fmt(r['lead'])} / {fmt(r['fall_lead'])} | " + " | ".join(fmt(r["rules"][n]) for n in names) +
+            f" | {backs}{', then paused' if r['paused'] else ''} | {'yes' if r['recovered'] else 'no'} |")
     return lines
+
+
+def mean_sd(xs: list[float], spec: str = ".3f") -> str:
+    if not xs:
+        return "–"
+    return format(statistics.fmean(xs), spec) + (f" ± {statistics.stdev(xs):{spec}}" if len(xs) > 1 else "")
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -174,18 +200,21 @@ def summary(rows: list[dict]) -> list[str]:
         if not rs:
             continue
         crashed = [r for r in rs if r["crash"]["crashed"]]
+        fell = [r for r in rs if r["collapsed"]]
         leads = [r["lead"] for r in rs if r["lead"] is not None]
-        finals = [r["final"] for r in rs]
+        fall_leads = [r["fall_lead"] for r in rs if r["fall_lead"] is not None]
         lines.append(
-            f"* **{mode}** (lr {LR:g}, then {rs[0]['lr']:g}, {len(rs)} seeds): crashed {len(crashed)}/{len(rs)}"
-            f"{' at steps ' + ', '.join(str(r['crash']['step']) for r in crashed) if crashed else ''}; "
-            f"the guard fired in {sum(r['first_trigger'] is not None for r in rs)}/{len(rs)} runs, "
-            f"first at steps {', '.join(fmt(r['first_trigger']) for r in rs)}; "
-            + (f"lead before the crash {statistics.fmean(leads):.1f} steps (min {min(leads)}, max {max(leads)}); "
-               if leads else "")
-            + f"final accuracy {statistics.fmean(finals):.3f}"
-            + (f" ± {statistics.stdev(finals):.3f}" if len(finals) > 1 else "")
-            + f" (cold start {statistics.fmean(r['cold'] for r in rs):.3f}); "
+            f"* **{mode}** ({len(rs)} seeds, lr {LR:g}{', then ' + format(rs[0]['lr'], 'g') if JUMPS[mode] else ''}): "
+            f"crashed {len(crashed)}/{len(rs)}"
+            f"{' (steps ' + ', '.join(str(r['crash']['step']) for r in crashed) + ')' if crashed else ''}, "
+            f"collapsed {len(fell)}/{len(rs)}"
+            f"{' (fell at ' + ', '.join(str(r['fall_step']) for r in fell) + ')' if fell else ''}; "
+            f"the guard fired in {sum(r['first_trigger'] is not None for r in rs)}/{len(rs)} runs "
+            f"(first at {', '.join(fmt(r['first_trigger']) for r in rs)}); "
+            + (f"lead to the crash {', '.join(map(str, leads))} steps; " if leads else "")
+            + (f"lead to the fall {', '.join(map(str, fall_leads))} steps; " if fall_leads else "")
+            + f"best {mean_sd([r['best'] for r in rs])}, final {mean_sd([r['final'] for r in rs])} "
+            f"(cold start {mean_sd([r['cold'] for r in rs])}); "
             f"roll-backs {sum(r['rollbacks'] for r in rs)}, paused {sum(r['paused'] for r in rs)}, "
             f"recovered {sum(r['recovered'] for r in rs)}/{len(rs)}.")
     return lines
@@ -199,15 +228,20 @@ def main() -> int:
     parser.add_argument("--jump", type=int, default=13, help="first RL step at the higher lr")
     parser.add_argument("--factor", type=float, default=10.0, help="the jump: lr 1e-4 x this")
     parser.add_argument("--modes", default="observe,rollback,control")
+    parser.add_argument("--no-run", action="store_true",
+                        help="tabulate the runs already in --out (e.g. after a change to the analysis)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode in args.modes.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
-            rows.append(run(mode, seed, args.steps, args.jump, args.factor, out))
-            print(json.dumps({k: rows[-1].get(k) for k in ("mode", "seed", "crash", "first_trigger",
-                                                            "rollbacks", "final", "error")}), flush=True)
+            rows.append(analyse(mode, seed, out / mode / f"seed{seed}",
+                                LR * args.factor if JUMPS[mode] else LR) if args.no_run
+                        else run(mode, seed, args.steps, args.jump, args.factor, out))
+            print(json.dumps({k: rows[-1].get(k) for k in ("mode", "seed", "crash", "fall_step",
+                                                            "first_trigger", "rollbacks", "final",
+                                                            "error")}), flush=True)
     (out / "guard.json").write_text(json.dumps({"rules": RULES, "lr": LR, "jump": args.jump,
                                                 "factor": args.factor, "extra": EXTRA,
                                                 "steps": args.steps, "runs": rows}, indent=1))
@@ -217,8 +251,13 @@ def main() -> int:
              "Rules (action `warn` in observe / control, `rollback` in rollback): " +
              "; ".join(f"{rule_name(r)} {'<' if r['kind'] == 'entropy' else '>'} {r['threshold']}"
                        for r in RULES) + ".", "",
-             "Crash: `gspo compare`'s rule (compare_stats.crash_stats, defaults). Lead: crash step − "
-             "first trigger. Per-rule columns: the first step each rule fired.", "",
+             "*Crash*: `gspo compare`'s crash rule (compare_stats.crash_stats, its defaults: a gain of "
+             "0.10, then below cold start − 0.05 for good, or the training reward below half its "
+             "start for good). *Fall*: where a run that `collapsed` by the compare table's milder rule "
+             f"(gain ≥ {COLLAPSE_MIN_GAIN}, ends below cold start + half its gain) went below that "
+             "line for good. *Lead*: crash (fall) step − the guard's first trigger. Per-rule columns: "
+             "the first step each rule fired (rolled-back steps included). *Recovered*: no crash, no "
+             "collapse, and a last accuracy at least the cold start's.", "",
              *tables(rows), "", *summary(rows)]
     (out / "guard.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
