@@ -47,7 +47,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+import yaml  # noqa: E402
+
 from gspo.observe.stability_rules import read_events  # noqa: E402
+from gspo.tools.compare import paired_final  # noqa: E402
 from gspo.tools.compare_stats import accuracy_crash, collapsed, crash_stats, eval_series  # noqa: E402
 
 COLLAPSE_MIN_GAIN = 0.05
@@ -132,17 +135,19 @@ def analyse(mode: str, seed: int, run_dir: Path, lr_after: float) -> dict:
     rollbacks = [e for e in events if e["event"] == "rollback"]
     cold, final = series[0][1], series[-1][1]
     fell = fall_step(series)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     best_step, best = max(series, key=lambda p: (p[1], -p[0]))
-    return {"mode": mode, "seed": seed, "lr": lr_after, "paused": any(e["event"] == "pause" for e in events),
+    return {"mode": mode, "seed": seed, "lr": lr_after, "eval_n": cfg["eval"]["n"] or cfg["task"]["n_test"], "paused": any(e["event"] == "pause" for e in events),
             "cold": cold, "best": best, "best_step": best_step, "final": final,
             "final_step": series[-1][0], "crash": crash,
             "first_trigger": first_any,
-            "first_rule": next((n for n, s in first.items() if s == first_any), None),
+            "first_rule": None if first_any is None else next(n for n, s in first.items() if s == first_any),
             "lead": None if first_any is None or crash["step"] is None else crash["step"] - first_any,
             "collapsed": fell is not None, "fall_step": fell,
             "fall_lead": None if first_any is None or fell is None else fell - first_any,
             "rules": first, "triggers": sum(e["event"] == "trigger" for e in events),
-            "rollbacks": len(rollbacks), "rollback_steps": [[e["step"], e["to_step"]] for e in rollbacks],
+            "rollbacks": max((e["rollbacks"] for e in rollbacks), default=0),   # the last one
+            "rollback_steps": [[e["step"], e["to_step"]] for e in rollbacks],
             "lr_scale": rollbacks[-1]["lr_scale"] if rollbacks else 1.0,
             "recovered": not crash["crashed"] and fell is None and final >= cold,
             "accuracy": [a for _, a in series]}
@@ -179,7 +184,7 @@ def tables(rows: list[dict]) -> list[str]:
         backs = f"{r['rollbacks']} ({backs}; lr x {r['lr_scale']:g})" if r["rollbacks"] else "0"
         lines.append(
             f"| {r['mode']} | {r['seed']} | {r['cold']:.3f} -> {r['best']:.3f} ({r['best_step']}) -> "
-            f"{r['final']:.3f} | {fmt(c['step'])}{' (' + c['by'] + ')' if c['by'] else ''} | "
+            f"{r['final']:.3f}{' (step ' + str(r['final_step']) + ')' if r['paused'] else ''} | {fmt(c['step'])}{' (' + c['by'] + ')' if c['by'] else ''} | "
             f"{fmt(r['fall_step'])} | "
             f"{fmt(r['first_trigger'])}{' (' + short[r['first_rule']] + ')' if r['first_rule'] else ''} | "
             f"{fmt(r['lead'])} / {fmt(r['fall_lead'])} | " + " | ".join(fmt(r["rules"][n]) for n in names) +
@@ -217,6 +222,27 @@ def summary(rows: list[dict]) -> list[str]:
             f"(cold start {mean_sd([r['cold'] for r in rs])}); "
             f"roll-backs {sum(r['rollbacks'] for r in rs)}, paused {sum(r['paused'] for r in rs)}, "
             f"recovered {sum(r['recovered'] for r in rs)}/{len(rs)}.")
+    return lines
+
+
+PAIRS = [("rollback", "observe"), ("control", "rollback"), ("control", "observe")]
+"""Paired final differences reported (a − b over the seeds both ran)."""
+
+
+def paired(rows: list[dict]) -> list[str]:
+    """a − b of the last held-out accuracy per seed, with `gspo compare`'s bars (paired_final)."""
+    lines = []
+    for a, b in PAIRS:
+        runs = {m: {"runs": [{**r, "final_accuracy": r["final"]} for r in rows
+                             if r["mode"] == m and "error" not in r]} for m in (a, b)}
+        if not runs[a]["runs"] or not runs[b]["runs"]:
+            continue
+        d = paired_final(runs[a], runs[b])
+        by = {r["seed"]: r["final"] for r in runs[b]["runs"]}
+        per_seed = ", ".join(f"{r['final'] - by[r['seed']]:+.3f}" for r in runs[a]["runs"] if r["seed"] in by)
+        lines.append(f"* {a} − {b}, final accuracy: {d['diff']:+.3f} (sd over seeds {d['std']:.3f}, "
+                     f"two standard errors of one evaluation's difference {d['two_se']:.3f}, {d['n']} seeds: "
+                     f"{per_seed})")
     return lines
 
 
@@ -258,7 +284,7 @@ def main() -> int:
              "line for good. *Lead*: crash (fall) step − the guard's first trigger. Per-rule columns: "
              "the first step each rule fired (rolled-back steps included). *Recovered*: no crash, no "
              "collapse, and a last accuracy at least the cold start's.", "",
-             *tables(rows), "", *summary(rows)]
+             *tables(rows), "", *summary(rows), "", *paired(rows)]
     (out / "guard.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
