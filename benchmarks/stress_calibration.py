@@ -16,7 +16,7 @@ least 1e-3. The stress suite (configs/compare/stress.yaml) runs at the first cel
 Usage (one process at a time; --jobs 2 runs two cells side by side, a thread each):
     python benchmarks/stress_calibration.py --out runs/calibration [--steps 8] [--jobs 2]
         [--presets tiny-moe,deep-moe,wide-moe] [--lrs 1e-4,3e-4,1e-3]
-        [--precisions model,bfloat16,int8,fp8]
+        [--precisions model,bfloat16,int8,fp8,int4]
 Writes OUT/calibration.json and OUT/calibration.md (the table, the gate, the chosen cell).
 """
 
@@ -39,6 +39,7 @@ PRECISION = {  # sampler precision -> overrides
     "bfloat16": ["rollout.dtype=bfloat16"],
     "int8": ["rollout.quantize=int8"],
     "fp8": ["rollout.quantize=fp8"],
+    "int4": ["rollout.quantize=int4"],
 }
 
 

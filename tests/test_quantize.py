@@ -20,6 +20,27 @@ def test_int8_rounds_each_row_to_its_own_scale():
     assert q.dtype == torch.float64
 
 
+def test_int4_rounds_each_row_to_15_levels_of_its_own_scale():
+    w = torch.tensor([[3.5, -1.25, 0.75, 0.2],
+                      [1.75, 0.375, -0.625, 0.0]], dtype=torch.float64)
+    q = fake_quantize(w, "int4")
+    # row 0: s = 3.5/7 = 0.5; -1.25/0.5 = -2.5 -> -2 (half to even) = -1.0; 0.75/0.5 = 1.5 -> 2 = 1.0;
+    # 0.2/0.5 = 0.4 -> 0
+    assert q[0].tolist() == [3.5, -1.0, 1.0, 0.0]
+    # row 1: s = 1.75/7 = 0.25; 0.375/0.25 = 1.5 -> 2 = 0.5; -0.625/0.25 = -2.5 -> -2 = -0.5
+    assert q[1].tolist() == [1.75, 0.5, -0.5, 0.0]
+    # int8 holds the same rows far closer: row 0's s = 3.5/127; -1.25·127/3.5 = -45.36 -> -45
+    assert fake_quantize(w, "int8")[0, 1].item() == pytest.approx(-45 * 3.5 / 127, abs=1e-15)
+
+
+def test_int4_moves_a_weight_by_half_a_level_at_most():
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    step = w.abs().amax(dim=-1, keepdim=True) / 7                                 # [16, 1]
+    moved = (fake_quantize(w, "int4") - w).abs()
+    assert (moved <= step / 2 + 1e-6).all() and moved.max() > step.min() / 4
+    assert fake_quantize(w, "int4").unique().numel() <= 16 * 15                   # 15 levels a row
+
+
 def test_fp8_casts_through_e4m3_with_one_scale_per_matrix():
     w = torch.tensor([[448.0, 0.3], [-3.3, 1.0]])
     # max |w| = 448: scale 1. e4m3 holds 1.mmm · 2^e: 0.3 = 1.2 · 2^-2 -> 1.25 · 2^-2 = 0.3125;
@@ -57,13 +78,21 @@ def test_which_weights_are_quantised():
 
 
 def test_unknown_format_lists_the_formats():
-    assert FORMATS.names() == ["fp8", "int8"]
-    with pytest.raises(ValueError, match="unknown rollout quantisation format 'int4'.*fp8, int8"):
-        fake_quantize(torch.ones(2, 2), "int4")
+    assert FORMATS.names() == ["fp8", "int4", "int8"]
+    with pytest.raises(ValueError, match="unknown rollout quantisation format 'int2'.*fp8, int4, int8"):
+        fake_quantize(torch.ones(2, 2), "int2")
+
+
+def test_the_config_accepts_each_format_and_refuses_others():
+    from gspo.config.rollout import RolloutConfig
+    assert [RolloutConfig(quantize=f).quantize for f in FORMATS.names()] == ["fp8", "int4", "int8"]
+    assert RolloutConfig().quantize is None
+    with pytest.raises(ValueError, match="unknown rollout.quantize format 'int2'.*valid: fp8, int4, int8"):
+        RolloutConfig(quantize="int2")
 
 
 # ----------------------------------------------------------------- the quantised sampler
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_the_hf_sampler_copy_is_rounded_at_build_and_at_every_update(fmt):
     from gspo.models.presets import build_char_tokenizer
     from gspo.rollout import engines

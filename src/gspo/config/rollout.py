@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from gspo.config.base import Section, one_of
+from gspo.core.quantize import FORMATS
 from gspo.rollout import engines
 
 
@@ -25,8 +26,8 @@ class RolloutConfig(Section):
     """Top-k sampling (0: off)."""
     dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
-    quantize: Literal["int8", "fp8"] | None = None
-    """Sample with a copy of the policy whose weight matrices are rounded to int8 (a scale per output channel) or fp8 e4m3 (a scale per matrix), computed in the copy's dtype: a quantised sampler's mismatch, larger than bf16's, on any machine (gspo.core.quantize; embeddings, LM head and MoE routers stay exact). The copy is refreshed, and rounded again, before every generation, and its log-probs are always returned (mismatch/* every step, whatever the correction). Evaluation: hf on the policy itself; vllm through its rounded engine. None: no rounding."""
+    quantize: str | None = None
+    """Sample with a copy of the policy whose weight matrices are rounded to a format of gspo.core.quantize.FORMATS: int8 or int4 (symmetric, a scale per output channel; int4 the coarsest) or fp8 e4m3 (a scale per matrix), computed in the copy's dtype: a quantised sampler's mismatch, larger than bf16's, on any machine (gspo.core.quantize; embeddings, LM head and MoE routers stay exact). The copy is refreshed, and rounded again, before every generation, and its log-probs are always returned (mismatch/* every step, whatever the correction). Evaluation: hf on the policy itself; vllm through its rounded engine. None: no rounding."""
     engine: str = "hf"
     """Generation engine (gspo.rollout.engines, docs/engines.md): hf (transformers generate on the policy, or on its rollout.dtype copy) | vllm (a vLLM engine in this process built once from the policy after the cold start, weights synced in place before every step's generation; optional package; under torchrun one engine per rank, or per rollout.engine_tp ranks, each sampling its share, docs/distributed.md; no LoRA, no moe.routing_replay=rollout; under rollout.async a thread worker samples through the same engine, a process worker builds its own). With vllm the sampler's log-probs are always returned (mismatch/* every step) and train.rollout_correction defaults to tis."""
     engine_tp: int = Field(1, ge=1)
@@ -48,6 +49,11 @@ class RolloutConfig(Section):
     @classmethod
     def _engine(cls, name: str) -> str:
         return one_of("engine", name, engines.available())
+
+    @field_validator("quantize")
+    @classmethod
+    def _quantize(cls, name: str | None) -> str | None:
+        return None if name is None else one_of("rollout.quantize format", name, FORMATS.names())
 
 
 class EvalConfig(Section):

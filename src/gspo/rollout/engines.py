@@ -227,7 +227,8 @@ class HFEngine(Engine):
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.share_prompts = share_prompts
         self.quantize = quantize
-        """int8 | fp8: the copy's weight matrices rounded to that format (gspo.core.quantize)."""
+        """A format of gspo.core.quantize.FORMATS (int8 | int4 | fp8): the copy's weight matrices
+        rounded to it."""
         own = (dtype is not None and dtype != next(model.parameters()).dtype) or quantize is not None
         self.model = copy.deepcopy(model).to(dtype).requires_grad_(False) if own else model
         self.owns_copy = own
@@ -381,8 +382,9 @@ class VLLMEngine(Engine):
         """What ``update_weights`` reads the in-memory -> checkpoint layout from (a remote engine
         would hold its own copy of the architecture)."""
         self.quantize = quantize
-        """int8 | fp8: each weight matrix rounded to that format as it is loaded (gspo.core.quantize;
-        the scales are per matrix as the checkpoint stores it, one expert's projection each)."""
+        """A format of gspo.core.quantize.FORMATS (int8 | int4 | fp8): each weight matrix rounded to
+        it as it is loaded (the scales are per matrix as the checkpoint stores it, one expert's
+        projection each)."""
         if quantize is not None or self.launched:
             self.update_weights(model.state_dict() if weights is None else weights, None)
 
