@@ -7,7 +7,8 @@ session of its own (the trainer starts it with ``start_new_session``), starts a 
 ``ready`` (or ``failed: <why>``) on its stdout, then blocks reading its stdin, a pipe whose
 writing end only the trainer holds. When that pipe ends (the trainer closed it, or died: even a
 SIGKILL closes it) the keeper ends the cluster: every process of its group and every child of
-one (Ray's workers set process groups of their own), SIGTERM, then SIGKILL two seconds later.
+one (Ray's workers set process groups of their own), SIGTERM, then SIGKILL two seconds later,
+and removes the cluster's temporary folder.
 
 Why a keeper: a cluster that ``ray.init()`` starts inside the trainer lives in the trainer's
 process group, and after a SIGKILL of the trainer two of its processes (the dashboard agent and
@@ -20,6 +21,7 @@ Standard library only: it starts in a fraction of a second and imports neither t
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +80,7 @@ def main(temp_dir: str, port: str, cpus: str, gpus: str, object_store: str) -> i
         except OSError:
             pass
     end_cluster(pgid)
+    shutil.rmtree(temp_dir, ignore_errors=True)
     return 1 if failed else 0
 
 

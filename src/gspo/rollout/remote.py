@@ -103,6 +103,20 @@ def check(spec: RaySpec) -> None:
                                  f"there ({err.strerror or err}); start one with `ray start "
                                  f"--head`, or leave rollout.ray_address unset for a local "
                                  f"cluster") from None
+    import logging
+    import ray
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=spec.address, logging_level=logging.WARNING, log_to_driver=False)
+        check_resources(spec, ray.cluster_resources(), f"the Ray cluster at {spec.address}")
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001  ray raises ConnectionError, RuntimeError...
+        raise ClusterUnavailable(f"rollout.ray_address={spec.address}: cannot join the Ray "
+                                 f"cluster there ({type(err).__name__}: {err})") from None
+    finally:
+        ray.shutdown()
 
 
 def parse_address(address: str) -> tuple[str, int]:
