@@ -10,7 +10,7 @@ building its own ``rollout.engine`` (hf | vllm) from the policy's architecture a
   ``torch.distributed`` gloo group of two (trainer, generator j: a ``TCPStore`` and a
   ``ProcessGroupGloo`` built directly, so they sit beside a torchrun world), in buckets of bytes
   (``buckets``: the tensors' bytes laid end to end, ``BUCKET_BYTES`` at most, one broadcast
-  each). A generator receives every bucket into buffers of its own and only then hands the whole
+  each; a tied tensor sent once). A generator receives every bucket into buffers of its own and only then hands the whole
   set to its engine (``Engine.update_weights``), and stamps it with the sync's number: each
   ``generate`` names the sync it expects, and a generator holding another refuses. So no sample
   is ever drawn from half-updated weights. A version already synced is not sent again (a refill
@@ -194,12 +194,30 @@ class Entry:
     nbytes: int
 
 
-def buckets(weights: Mapping[str, torch.Tensor], limit: int = BUCKET_BYTES
+def aliases(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """name -> the earlier name of the same tensor (tied embeddings: ``lm_head.weight`` is
+    ``model.embed_tokens.weight``): sent once, set under both names."""
+    seen, out = {}, {}
+    for name, t in weights.items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if key in seen:
+            out[name] = seen[key]
+        else:
+            seen[key] = name
+    return out
+
+
+def buckets(weights: Mapping[str, torch.Tensor], limit: int | None = None
             ) -> list[list[Entry]]:
-    """The weights' tensors in order, dealt into buckets of at most ``limit`` bytes (a larger
-    tensor alone in one), each tensor at an ``ALIGN``-ed offset."""
+    """The weights' tensors in order (an alias left out), dealt into buckets of at most
+    ``limit`` bytes (default ``BUCKET_BYTES``; a larger tensor alone in one), each tensor at an
+    ``ALIGN``-ed offset."""
+    limit = BUCKET_BYTES if limit is None else limit
+    skip = aliases(weights)
     out, current, size = [], [], 0
     for name, t in weights.items():
+        if name in skip:
+            continue
         nbytes = t.numel() * t.element_size()
         offset = -(-size // ALIGN) * ALIGN
         if current and offset + nbytes > limit:
@@ -257,10 +275,11 @@ class Generator:
     def pid(self) -> int:
         return os.getpid()
 
-    def join(self, host: str, port: int, layout: list[list[Entry]]) -> int:
-        """Join the weight group served at host:port; receive buffers for ``layout``."""
+    def join(self, host: str, port: int, layout: list[list[Entry]], tied: dict[str, str]) -> int:
+        """Join the weight group served at host:port; receive buffers for ``layout``;
+        ``tied``: name -> the name whose tensor it is (``aliases``)."""
         self.pg = group(host, port, 1)
-        self.layout = layout
+        self.layout, self.tied = layout, tied
         self.buffers = [torch.empty(bucket_bytes(b), dtype=torch.uint8) for b in layout]
         return os.getpid()
 
@@ -272,6 +291,7 @@ class Generator:
         weights = {}
         for bucket, buf in zip(self.layout, self.buffers):
             weights.update(unpack(bucket, buf))
+        weights.update({name: weights[same] for name, same in self.tied.items()})
         self.engine.update_weights(weights, version)
         self.sync = sync
         return sync
@@ -289,8 +309,9 @@ class Generator:
         module = self.engine.module
         if module is not None:
             return {k: v.clone() for k, v in module.state_dict().items()}
-        return {k: v.clone() for b, buf in zip(self.layout, self.buffers)
-                for k, v in unpack(b, buf).items()}
+        got = {k: v.clone() for b, buf in zip(self.layout, self.buffers)
+               for k, v in unpack(b, buf).items()}
+        return {**got, **{name: got[same] for name, same in self.tied.items()}}
 
 
 # ---------------------------------------------------------------------------- the trainer's side
@@ -320,7 +341,7 @@ class RayEngine(engines.Engine):
         self.connect()
         self.weights: Mapping[str, torch.Tensor] = model.state_dict()
         """The weights a replaced generator is sent: those of the last ``update_weights``."""
-        self.layout = buckets(self.weights)
+        self.layout, self.tied = buckets(self.weights), aliases(self.weights)
         self.make = ray.remote(Generator).options(num_cpus=spec.cpus, num_gpus=spec.gpus)
         self.build_args = (name, model.config, next(model.parameters()).dtype, tokenizer,
                            options, spec.threads)
@@ -353,7 +374,7 @@ class RayEngine(engines.Engine):
         actor = self.make.remote(*self.build_args)
         host = "127.0.0.1" if self.cluster is not None else self.ray.util.get_node_ip_address()
         port = free_port()
-        joined = actor.join.remote(host, port, self.layout)
+        joined = actor.join.remote(host, port, self.layout, self.tied)
         pg = group(host, port, 0)              # returns once the generator has joined
         return Handle(actor, pg, self.ray.get(joined))
 
