@@ -11,6 +11,7 @@ lives in /tmp/gspo-ray-*, removed when it stops."""
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -234,22 +235,21 @@ def alive(pid: int) -> bool:
         return False
 
 
-@needs_ray
-def test_a_killed_trainer_leaves_no_process_behind(tmp_path, small_config):
-    """SIGKILL the trainer mid-run: its keeper ends the cluster (Ray's daemons, the generator)."""
+def start_training(tmp_path, small_config):
+    """``gspo train`` on Ray in a subprocess, once it has done RL steps: (the process, its
+    keeper's pid, every process of its cluster)."""
     cfg = small_config(tmp_path, "sft.enabled=false", "train.steps=400", "rollout.placement=ray")
     from gspo.config import dump_yaml
     dump_yaml(cfg, tmp_path / "cfg.yaml")
-    before = set(clusters_left())
     trainer = subprocess.Popen([sys.executable, "-m", "gspo", "train", str(tmp_path / "cfg.yaml")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    metrics = Path(cfg.run.dir) / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and trainer.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:   # RL steps done
-            break
-        time.sleep(0.5)
     try:
+        metrics = Path(cfg.run.dir) / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and trainer.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:   # RL steps
+                break
+            time.sleep(0.5)
         assert trainer.poll() is None, trainer.stderr.read().decode()[-2000:]
         keeper = [p for p in descendants(trainer.pid)
                   if b"gspo.rollout.ray_keeper" in Path(f"/proc/{p}/cmdline").read_bytes()]
@@ -259,16 +259,51 @@ def test_a_killed_trainer_leaves_no_process_behind(tmp_path, small_config):
         generators = [p for p in processes
                       if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"ray::Generator")]
         assert generators and len(processes) > 5       # gcs, raylet, agents, the generator...
-    finally:
+    except BaseException:
         trainer.kill()
         trainer.wait()
-    deadline = time.monotonic() + 30
+        raise
+    return trainer, keeper[0], processes
+
+
+def assert_gone(processes, before, within_s=30):
+    deadline = time.monotonic() + within_s
     while any(alive(p) for p in processes) and time.monotonic() < deadline:
         time.sleep(0.5)
     left = [(p, Path(f"/proc/{p}/cmdline").read_bytes()[:60]) for p in processes if alive(p)]
     assert not left
-    trainer.stderr.close()
     assert set(clusters_left()) <= before                # the keeper removed its folder
+
+
+@needs_ray
+def test_a_killed_trainer_leaves_no_process_behind(tmp_path, small_config):
+    """SIGKILL the trainer mid-run: its keeper ends the cluster (Ray's daemons, the generator)."""
+    before = set(clusters_left())
+    trainer, _, processes = start_training(tmp_path, small_config)
+    trainer.kill()
+    trainer.wait()
+    trainer.stderr.close()
+    assert_gone(processes, before)
+
+
+@needs_ray
+def test_a_lost_cluster_ends_the_run_in_one_line_exit_2(tmp_path, small_config):
+    """SIGKILL the cluster's GCS and raylet mid-run: one line, exit 2, within seconds (Ray alone
+    ends the driver after 60 s, exit 1, with pages of logs); nothing of the cluster left."""
+    before = set(clusters_left())
+    trainer, keeper, processes = start_training(tmp_path, small_config)
+    for pid in members(keeper):
+        if re.search(rb"gcs_server|raylet/raylet", Path(f"/proc/{pid}/cmdline").read_bytes()):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        code = trainer.wait(timeout=60)
+    finally:
+        trainer.kill()
+    err = trainer.stderr.read().decode().strip().splitlines()
+    assert code == 2, err[-5:]
+    assert err[-1].startswith("gspo: error: rollout.placement=ray: the Ray cluster at")
+    assert not [line for line in err if not line.startswith(("step ", "held-out", "gspo: error"))]
+    assert_gone(processes, before)
 
 
 # ------------------------------------------------------------------------ bad input
