@@ -61,7 +61,6 @@ def sync(args) -> None:
     import torch
     from gspo.models.presets import build_char_tokenizer, build_model
     from gspo.rollout import remote
-    from gspo.rollout.generate import SamplingParams
     torch.set_num_threads(1)
     tiny, tokenizer = build_model("tiny-dense", 0)
     models = {"tiny-dense": tiny}

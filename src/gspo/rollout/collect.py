@@ -204,9 +204,12 @@ class Collector:
         """The engine evaluation samples through, with the policy's current weights: the rollout
         engine when it has its own kernels (vllm: the fast sampler for greedy and pass@k too);
         for hf an engine on the policy itself, so that evaluation stays transformers on the
-        policy in its own dtype whatever rollout.dtype is (and, on Ray, with no weight sync)."""
-        if engines.spec(self.cfg.rollout.engine).own_kernels:
-            return self.sampler()
+        policy in its own dtype whatever rollout.dtype is (hf generators on Ray too: no sync)."""
+        r = self.cfg.rollout
+        if r.placement != "ray" or engines.spec(r.engine).own_kernels:
+            engine = self.sampler()
+            if engine.module is None:
+                return engine
         if self.evaluator is None:
             self.evaluator = engines.build("hf", self.model, self.tokenizer)
         return self.evaluator

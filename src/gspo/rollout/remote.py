@@ -35,13 +35,13 @@ import dataclasses
 import datetime
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import shutil
 from typing import Mapping
 
 import torch
