@@ -403,6 +403,7 @@ class RayEngine(engines.Engine):
     def start(self) -> Handle:
         """A new generator, its weight group formed (it has no weights until a sync)."""
         actor = self.make.remote(*self.build_args)
+        self.ray.get(actor.pid.remote())        # a failed build raises here, not as a group timeout
         host = "127.0.0.1" if self.cluster is not None else self.ray.util.get_node_ip_address()
         port = free_port()
         joined = actor.join.remote(host, port, self.layout, self.tied)
