@@ -542,5 +542,7 @@ def stack(parts: list[Samples], pad_id: int) -> Samples:
 
 
 def build(name: str, model, tokenizer, spec: RaySpec, **options) -> RayEngine:
-    """Generators of engine ``name`` on Ray for ``model`` (``options``: the engine's own)."""
+    """Generators of engine ``name`` on Ray for ``model`` (``options``: the engine's own, but
+    initial ``weights``: a generator gets its weights by the first sync, not through Ray)."""
+    options.pop("weights", None)
     return RayEngine(name, model, tokenizer, spec, **options)
