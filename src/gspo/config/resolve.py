@@ -12,7 +12,9 @@ always refused for the same one. Derived (``Resolved.derived``, key -> why):
 * ``train.rollout_correction.mode``: unset -> the engine's ``default_correction`` (none under
   ``train.old_logprobs=rollout``, whose π_old is the sampler's);
 * ``rollout.async_ratio``: auto under ``rollout.async`` -> decoupled (with a correction mode for
-  the objective's level unless one was set) or behaviour.
+  the objective's level unless one was set) or behaviour;
+* ``rollout.async_worker``: unset under ``rollout.placement=ray`` with ``rollout.async`` ->
+  thread (the generators are the worker's sampler; a process worker would start its own).
 
 This module does not read files or the environment, and builds nothing.
 """
@@ -220,6 +222,31 @@ def async_ratio(out: Resolved) -> None:
                f"objective")
 
 
+def placement(out: Resolved, env: Environment) -> None:
+    """What generators on Ray (gspo.rollout.remote) cannot serve yet; the worker of
+    rollout.async is a thread whose sampler is the generators."""
+    c = out.config
+    if c.rollout.placement == "colocated":
+        return
+    refused = [
+        (env.world_size > 1, f"torchrun with {env.world_size} processes (only one trainer "
+                             "process talks to the generators; a gather to rank 0 is not built)"),
+        (c.model.lora is not None, "model.lora (the weight sync sends whole weights, not adapters)"),
+        (c.moe.routing_replay == "rollout",
+         "moe.routing_replay=rollout (the generators do not return the experts they routed to)"),
+        (c.rollout.async_ and c.rollout.async_worker == "process"
+         and "async_worker" in c.rollout.model_fields_set,
+         "rollout.async_worker=process (the worker's sampler is the generators: use thread)"),
+    ]
+    for refuse, why in refused:
+        if refuse:
+            raise ValueError(f"rollout.placement={c.rollout.placement} cannot serve {why}; "
+                             f"use rollout.placement=colocated")
+    if c.rollout.async_ and c.rollout.async_worker != "thread":
+        derive(out, "rollout.async_worker", "thread",
+               "rollout.placement=ray: the generators are the worker's sampler")
+
+
 def guard_kl_ref(out: Resolved, env: Environment) -> None:
     c = out.config
     if c.train.beta == 0 and any(r.kind == "kl_ref" for r in c.guard.rules):
@@ -292,5 +319,5 @@ def multiturn(out: Resolved, env: Environment) -> None:
 
 RULES: tuple[Callable[[Resolved, Environment], None], ...] = (
     advantage_scale, minibatches, routing_replay_old, engine, rollout_correction,
-    async_rollout, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn)
+    async_rollout, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn)
 """The rules in the order they run."""

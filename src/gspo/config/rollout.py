@@ -43,6 +43,17 @@ class RolloutConfig(Section):
     async_ratio: Literal["auto", "behaviour", "decoupled"] = "auto"
     """With rollout.async, what a stale batch's ratio is taken against (docs/math.md, Asynchronous rollouts): behaviour (π_old = the policy v that sampled it; the clip acts on π_θ/π_v) | decoupled (π_old = the trainer's weights before this step, the proximal policy: the first minibatch's own forward, the others' from the worker beside it; the clip acts on π_θ/π_prox and train.rollout_correction, which it needs, weighs each token or response by π_prox/π_v: seq_tis for sequence-level objectives such as gspo) | auto (the default: decoupled when max_staleness > 0 and train.old_logprobs=recompute, with rollout_correction.mode seq_tis for a sequence-level objective or tis for a token-level one unless a mode is set; else behaviour; docs/performance.md compares the two)."""
 
+    placement: Literal["colocated", "ray"] = "colocated"
+    """Where the rollout engine runs: colocated (in the trainer's process) | ray (rollout.generators actors on a Ray cluster, each owning a rollout.engine built from the policy's architecture; after each step the trainer's weights go to every generator over a gloo group of its own, versioned, and the prompts of a batch are split across them; scoring and π_old stay on the trainer; one trainer process; optional package: pip install 'gspo[ray]'; docs/distributed.md, Ray). With rollout.async the worker is a thread whose sampler is the generators."""
+    generators: int = Field(1, ge=1)
+    """With rollout.placement=ray: how many generator actors (each its own engine and share of the prompts). One hf generator samples exactly the colocated batch; several split the prompts, generator j's seed offset by its first prompt's index (vllm: the one-call batch again; hf: another, reproducible batch)."""
+    generator_cpus: float = Field(1.0, gt=0)
+    """With rollout.placement=ray: CPUs Ray reserves for each generator (its torch threads: run.threads, or this rounded down when run.threads=0)."""
+    generator_gpus: float = Field(0.0, ge=0)
+    """With rollout.placement=ray: GPUs Ray reserves for each generator (0: it samples on CPU; the weight sync is gloo either way, NCCL is not built)."""
+    ray_address: str | None = None
+    """With rollout.placement=ray: the address of a running Ray cluster (host:port of `ray start --head`), or None: a local cluster started for the run with rollout.generators x generator_cpus CPUs, stopped with it (also when the trainer is killed)."""
+
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
     @field_validator("engine")

@@ -26,7 +26,7 @@ import torch
 from gspo.models import moe
 from gspo.models.presets import DTYPES
 from gspo.rewards.isolation import correct_all
-from gspo.rollout import engines
+from gspo.rollout import engines, remote
 from gspo.rollout.episodes import Episode, SingleTurn
 from gspo.rollout.generate import RolloutBatch, SamplingParams, generate
 
@@ -187,8 +187,12 @@ class Collector:
                         "share_prompts": not self.captures_at_generation(),  # a capture sees all rows
                         "quantize": r.quantize, "weights": self.shards.weights(self.model),
                         "tensor_parallel": r.engine_tp}
-            self.engine = engines.build(r.engine, self.model, self.tokenizer,     # sees all N rows
-                                        **engines.options_for(r.engine, settings))
+            options = engines.options_for(r.engine, settings)
+            if r.placement == "ray":          # generators of their own (gspo.rollout.remote)
+                spec = remote.RaySpec.of(r, self.cfg.run.threads)
+                self.engine = remote.build(r.engine, self.model, self.tokenizer, spec, **options)
+            else:
+                self.engine = engines.build(r.engine, self.model, self.tokenizer, **options)
         else:
             if self.cfg.rollout.engine_sleep:   # woken before its weights are written
                 self.engine.wake_up()
@@ -204,7 +208,9 @@ class Collector:
         need be, when the engine is shared (vllm: one per process; each side syncs it to its own
         weights before it generates, evaluation and the worker's generation under one lock), else
         None: the worker builds its own from its copy of the policy."""
-        return self.sampler() if engines.is_shared(self.cfg.rollout.engine) else None
+        r = self.cfg.rollout
+        shared = engines.is_shared(r.engine) or r.placement == "ray"   # one set of generators
+        return self.sampler() if shared else None
 
     def sleep_engine(self) -> None:
         """After a step's generation, before its update: put the engine to sleep
@@ -222,10 +228,12 @@ class Collector:
         """The engine evaluation samples through, with the policy's current weights: the rollout
         engine when it has its own kernels (vllm: the fast sampler for greedy and pass@k too);
         for hf an engine on the policy itself, so that evaluation stays transformers on the
-        policy in its own dtype whatever rollout.dtype is."""
-        engine = self.sampler()
-        if engine.module is None:
-            return engine
+        policy in its own dtype whatever rollout.dtype is (hf generators on Ray too: no sync)."""
+        r = self.cfg.rollout
+        if r.placement != "ray" or engines.spec(r.engine).own_kernels:
+            engine = self.sampler()
+            if engine.module is None:
+                return engine
         if self.evaluator is None:
             self.evaluator = engines.build("hf", self.model, self.tokenizer)
         return self.evaluator
@@ -314,6 +322,8 @@ class Collector:
             if sampled != mine:      # a tensor-parallel group sampled its ranks' prompts together
                 batch = batch.select(own_rows)
             extra["time/generate_s"] = extra.get("time/generate_s", 0.0) + time.perf_counter() - t0
+            for key, value in self.engine.metrics().items():              # ray/*: its syncs
+                extra[key] = extra.get(key, 0.0) + value
             t0 = time.perf_counter()
             result = self.rewards(batch.completions, batch.examples)
             extra["time/reward_s"] = extra.get("time/reward_s", 0.0) + time.perf_counter() - t0

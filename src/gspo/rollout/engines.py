@@ -116,6 +116,11 @@ class Engine(ABC):
     def close(self) -> None:
         """Release the engine for good (vllm: its engine core and process group); default: nothing."""
 
+    def metrics(self) -> dict:
+        """What the engine measured since the last call, as metrics (generators on Ray: their
+        weight syncs and restarts, gspo.rollout.remote); default: nothing."""
+        return {}
+
 
 _REGISTRY: Registry[type[Engine]] = Registry("engine", error=EngineUnavailable)
 _REQUIRES: dict[str, str] = {}

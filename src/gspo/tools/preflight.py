@@ -30,7 +30,7 @@ from gspo.models.presets import (ADAPTER_CONFIG, adapter_base, build_char_tokeni
                                  preset_config)
 from gspo.observe.trackers import check_available
 from gspo.rewards.isolation import IsolatedSource
-from gspo.rollout import engines
+from gspo.rollout import engines, remote
 from gspo.rollout.data import FILE_TASKS
 from gspo.training.checkpoint import list_checkpoints
 from gspo.training.lora import check_targets
@@ -58,6 +58,7 @@ def check_train(cfg, resume: bool = False) -> None:
     check_files(cfg)
     check_model(cfg)
     check_engine(cfg)
+    check_placement(cfg)
     check_trackers(cfg)
     check_run_dir(cfg, resume)
     check_distributed(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -146,6 +147,14 @@ def check_engine(cfg) -> None:
         engines.check(cfg.rollout.engine, _model_config(cfg).model_type)
     except engines.EngineUnavailable as err:
         raise UserError(f"rollout.engine: {err}") from None
+
+
+def check_placement(cfg) -> None:
+    """rollout.placement=ray: ray installed, the cluster at rollout.ray_address answering, and
+    the generators' CPUs and GPUs within its resources (or this machine's, for the local cluster
+    started for the run)."""
+    if cfg.rollout.placement == "ray":
+        remote.check(remote.RaySpec.of(cfg.rollout, cfg.run.threads))
 
 
 def check_trackers(cfg) -> None:

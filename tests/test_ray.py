@@ -1,0 +1,291 @@
+"""Generators on Ray (rollout.placement=ray, gspo.rollout.remote) on a local cluster of this
+machine, in runs: s = 0 is the colocated run (metrics and weights), a killed generator replaced
+with nothing lost, s = 1 the colocated asynchronous run; a SIGKILLed trainer leaves no process
+behind, a finished one neither, a lost cluster ends the run in one line; bad input is one line,
+exit 2, before training. The engine alone (bit-equal syncs, shards, a killed generator):
+tests/test_ray_engine.py.
+
+Each cluster start costs seconds (``ray start``, actors importing torch and transformers). Ray's
+token authentication is off for the session (no ~/.ray/auth_token written); a local cluster
+lives in /tmp/gspo-ray-*, removed when it stops."""
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo.config import load_config
+from gspo.errors import UserError
+from gspo.models.presets import load_model
+from gspo.observe.metrics import read_metrics
+from gspo.rollout import remote
+from gspo.rollout.ray_keeper import members
+from gspo.tools import preflight
+from gspo.training.trainer import Trainer
+from conftest import parity_rewards
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="ray is not installed (pip install 'gspo[ray]')")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_without_auth():
+    """No token authentication for the test clusters (they listen on 127.0.0.1 only)."""
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    yield
+    if before is None:
+        os.environ.pop("RAY_AUTH_MODE")
+    else:
+        os.environ["RAY_AUTH_MODE"] = before
+
+
+def clusters_left() -> list[str]:
+    return [p.name for p in Path("/tmp").glob("gspo-ray-*")]
+
+
+def assert_bit_equal(got, want):
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), \
+        [k for k in want if not torch.equal(got[k], want[k])]
+
+
+# ------------------------------------------------------------------------ runs
+def _cfg(make_cfg, reward_module, *overrides, run):
+    return make_cfg("sft.enabled=false", "train.steps=3", parity_rewards(reward_module),
+                    "rollout.max_new_tokens=8", *overrides, run=run)
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/", "ray/"))}
+            for r in rows]
+
+
+def _final_weights(run_dir):
+    return load_model(f"{run_dir}/checkpoints/step_{3:06d}")[0].state_dict()
+
+
+@pytest.fixture
+def kept_clusters(monkeypatch):
+    """The local clusters started while the test runs (their process groups), recorded."""
+    started = []
+    original = remote.LocalCluster.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        started.append(self.pgid)
+    monkeypatch.setattr(remote.LocalCluster, "__init__", recording)
+    return started
+
+
+@needs_ray
+def test_staleness_zero_on_ray_is_the_colocated_run(make_cfg, reward_module, kept_clusters,
+                                                    monkeypatch):
+    """Synchronous on Ray, and rollout.async s = 0 on Ray with generator 0 SIGKILLed before the
+    batch of step 2: both the colocated run, metrics and final weights; nothing left running."""
+    colocated = _cfg(make_cfg, reward_module, run="colocated")
+    Trainer(colocated, log=lambda m: None).run()
+    calls, generate = [], remote.RayEngine.generate
+
+    def kill_at_step_2(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(self.pids()[0], signal.SIGKILL)
+        return generate(self, *args, **kwargs)
+    monkeypatch.setattr(remote.RayEngine, "generate", kill_at_step_2)
+    runs = {"ray": ("rollout.placement=ray",),
+            "ray-s0": ("rollout.placement=ray", "rollout.async=true", "rollout.max_staleness=0")}
+    for run, overrides in runs.items():
+        cfg = _cfg(make_cfg, reward_module, *overrides, run=run)
+        calls.clear()
+        Trainer(cfg, log=lambda m: None).run()
+        a, b = read_metrics(colocated.run.dir), read_metrics(cfg.run.dir)
+        assert _strip(a) == _strip(b), run
+        assert_bit_equal(_final_weights(cfg.run.dir), _final_weights(colocated.run.dir))
+        assert sum(r.get("ray/generator_restarts", 0) for r in b) == 1, run
+        assert all(r["ray/sync_mb"] > 0 for r in b if "ray/sync_mb" in r)
+    assert any(r["reward/std"] > 0 for r in read_metrics(colocated.run.dir)[1:])
+    assert len(kept_clusters) == 2
+    assert not any(members(pgid) for pgid in kept_clusters)       # clean shutdown
+    assert not clusters_left()
+
+
+@needs_ray
+def test_staleness_one_on_ray_is_the_colocated_asynchronous_run(make_cfg, reward_module):
+    """s = 1: the bounded-staleness machinery of rollout.async unchanged (the thread worker's
+    π_prox and correction), its sampler the generator: the colocated thread worker's run."""
+    s1 = ("rollout.async=true", "rollout.max_staleness=1", "rollout.async_worker=thread")
+    colocated = _cfg(make_cfg, reward_module, *s1, run="colocated-s1")
+    Trainer(colocated, log=lambda m: None).run()
+    cfg = _cfg(make_cfg, reward_module, "rollout.placement=ray", *s1, run="ray-s1")
+    Trainer(cfg, log=lambda m: None).run()
+    a, b = read_metrics(colocated.run.dir), read_metrics(cfg.run.dir)
+    assert [r["async/staleness"] for r in b[1:]] == [0.0, 1.0, 1.0]
+    assert _strip(a) == _strip(b)
+    assert_bit_equal(_final_weights(cfg.run.dir), _final_weights(colocated.run.dir))
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid``'s children, theirs, and so on (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text()
+                                          .rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - out
+        out |= frontier
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_training(tmp_path, small_config):
+    """``gspo train`` on Ray in a subprocess, once it has done RL steps: (the process, its
+    keeper's pid, every process of its cluster)."""
+    cfg = small_config(tmp_path, "sft.enabled=false", "train.steps=400", "rollout.placement=ray")
+    from gspo.config import dump_yaml
+    dump_yaml(cfg, tmp_path / "cfg.yaml")
+    trainer = subprocess.Popen([sys.executable, "-m", "gspo", "train", str(tmp_path / "cfg.yaml")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        metrics = Path(cfg.run.dir) / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and trainer.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:   # RL steps
+                break
+            time.sleep(0.5)
+        assert trainer.poll() is None, trainer.stderr.read().decode()[-2000:]
+        keeper = [p for p in descendants(trainer.pid)
+                  if b"gspo.rollout.ray_keeper" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(keeper) == 1
+        # `ray start` leaves its daemons to init: they are the keeper's group, and their children
+        processes = {q for p in members(keeper[0]) for q in {p, *descendants(p)}} | set(keeper)
+        generators = [p for p in processes
+                      if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"ray::Generator")]
+        assert generators and len(processes) > 5       # gcs, raylet, agents, the generator...
+    except BaseException:
+        trainer.kill()
+        trainer.wait()
+        raise
+    return trainer, keeper[0], processes
+
+
+def assert_gone(processes, before, within_s=30):
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [(p, Path(f"/proc/{p}/cmdline").read_bytes()[:60]) for p in processes if alive(p)]
+    assert not left
+    assert set(clusters_left()) <= before                # the keeper removed its folder
+
+
+@needs_ray
+def test_a_killed_trainer_leaves_no_process_behind(tmp_path, small_config):
+    """SIGKILL the trainer mid-run: its keeper ends the cluster (Ray's daemons, the generator)."""
+    before = set(clusters_left())
+    trainer, _, processes = start_training(tmp_path, small_config)
+    trainer.kill()
+    trainer.wait()
+    trainer.stderr.close()
+    assert_gone(processes, before)
+
+
+@needs_ray
+def test_a_lost_cluster_ends_the_run_in_one_line_exit_2(tmp_path, small_config):
+    """SIGKILL the cluster's GCS and raylet mid-run: one line, exit 2, within seconds (Ray alone
+    ends the driver after 60 s, exit 1, with pages of logs); nothing of the cluster left."""
+    before = set(clusters_left())
+    trainer, keeper, processes = start_training(tmp_path, small_config)
+    for pid in members(keeper):
+        if re.search(rb"gcs_server|raylet/raylet", Path(f"/proc/{pid}/cmdline").read_bytes()):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        code = trainer.wait(timeout=60)
+    finally:
+        trainer.kill()
+    err = trainer.stderr.read().decode().strip().splitlines()
+    assert code == 2, err[-5:]
+    assert err[-1].startswith("gspo: error: rollout.placement=ray: the Ray cluster at")
+    assert not [line for line in err if not line.startswith(("step ", "held-out", "gspo: error"))]
+    assert_gone(processes, before)
+
+
+# ------------------------------------------------------------------------ bad input
+def _placement(tmp_path, *overrides):
+    return load_config(None, [f"run.dir={tmp_path / 'run'}", "rollout.placement=ray", *overrides])
+
+
+def _one_line(err) -> str:
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_ray_not_installed_is_one_line(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(UserError) as err:
+        preflight.check_placement(_placement(tmp_path))
+    assert "pip install 'gspo[ray]'" in _one_line(err)
+
+
+@needs_ray
+def test_an_unreachable_address_is_one_line(tmp_path):
+    port = remote.free_port()                               # nothing listens there
+    t0 = time.perf_counter()
+    with pytest.raises(UserError) as err:
+        preflight.check_placement(_placement(tmp_path, f"rollout.ray_address=127.0.0.1:{port}"))
+    assert "no Ray cluster answers" in _one_line(err) and time.perf_counter() - t0 < 5
+    with pytest.raises(UserError, match="expected host:port"):
+        preflight.check_placement(_placement(tmp_path, "rollout.ray_address=ray://head:10001"))
+
+
+@needs_ray
+def test_more_generators_than_resources_is_one_line(tmp_path):
+    with pytest.raises(UserError) as err:
+        preflight.check_placement(_placement(tmp_path, "rollout.generators=1000"))
+    assert "rollout.generators=1000 x rollout.generator_cpus=1 = 1000 CPUs" in _one_line(err)
+    with pytest.raises(UserError, match="GPUs"):
+        preflight.check_placement(_placement(tmp_path, "rollout.generator_gpus=1"))
+
+
+def test_the_cli_refuses_before_training_exit_2(tmp_path, capsys):
+    from gspo.cli import main
+    port = remote.free_port()
+    code = main(["train", f"run.dir={tmp_path / 'run'}", "rollout.placement=ray",
+                 f"rollout.ray_address=127.0.0.1:{port}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("model.lora={r: 4}",), "model.lora"),
+    (("rollout.async=true", "rollout.async_worker=process"), "rollout.async_worker=process"),
+])
+def test_what_ray_cannot_serve_is_refused(tmp_path, overrides, message):
+    with pytest.raises(Exception, match=message):
+        _placement(tmp_path, *overrides)
+
+
+def test_the_async_worker_on_ray_is_a_thread(tmp_path):
+    cfg = _placement(tmp_path, "rollout.async=true")
+    assert cfg.rollout.async_worker == "thread"

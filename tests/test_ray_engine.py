@@ -1,0 +1,109 @@
+"""Generators on Ray (gspo.rollout.remote), the engine alone: two hf generators on a local
+cluster, one engine for the module (its start costs seconds). The weights are bit-equal on every
+generator after every sync, versioned, a stale sync refused; each shard is seeded by its first
+prompt; a SIGKILLed generator is replaced and its prompts re-issued with the same samples.
+The runs, processes and refusals: tests/test_ray.py."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from gspo.models.presets import build_model  # noqa: E402
+from gspo.rollout import engines, remote  # noqa: E402
+from gspo.rollout.generate import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_without_auth():
+    """No token authentication for the test cluster (it listens on 127.0.0.1 only)."""
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    yield
+    if before is None:
+        os.environ.pop("RAY_AUTH_MODE")
+    else:
+        os.environ["RAY_AUTH_MODE"] = before
+
+
+@pytest.fixture(scope="module")
+def two():
+    """(RayEngine with two hf generators, model, tokenizer) on a local cluster."""
+    model, tokenizer = build_model("tiny-dense", 0)
+    model.eval()
+    engine = remote.build("hf", model, tokenizer, remote.RaySpec(generators=2, cpus=1))
+    yield engine, model, tokenizer
+    engine.close()
+
+
+def generator_weights(engine, j):
+    return engine.ray.get(engine.generators[j].actor.weights.remote())
+
+
+def assert_bit_equal(got, want):
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), \
+        [k for k in want if not torch.equal(got[k], want[k])]
+
+
+PARAMS = SamplingParams(8)
+
+
+def prompts(tokenizer):
+    return [tokenizer(p)["input_ids"] for p in ("12+3=", "7*8=", "40-9=")]
+
+
+def test_weights_are_bit_equal_after_every_sync_and_versioned(two):
+    engine, model, _ = two
+    for j in range(2):                                     # the first sync, at start
+        assert_bit_equal(generator_weights(engine, j), model.state_dict())
+    for version in (1, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 1e-3)
+        engine.update_weights(model.state_dict(), version)
+        for j in range(2):
+            assert_bit_equal(generator_weights(engine, j), model.state_dict())
+    syncs = engine.syncs
+    engine.update_weights(model.state_dict(), 2)           # this version is there: not sent again
+    assert engine.syncs == syncs
+    stats = engine.metrics()
+    assert stats["ray/sync_mb"] > 0 and stats["ray/generator_restarts"] == 0
+    # a generator asked to sample with another sync's weights refuses
+    stale = engine.generators[0].actor.generate.remote([[1, 2]], 2, PARAMS, 0, False, syncs - 1)
+    with pytest.raises(engine.ray.exceptions.RayTaskError, match="holds the weights of sync"):
+        engine.ray.get(stale)
+
+
+def test_shards_are_seeded_by_their_first_prompt(two):
+    """Generator j samples prompts a_j.. with seed + a_j; each shard is what a local hf engine
+    samples for those prompts with that seed."""
+    engine, model, tokenizer = two
+    engine.update_weights(model.state_dict(), None)
+    ids = prompts(tokenizer)
+    got = engine.generate(ids, 4, PARAMS, seed=5, with_logprobs=True)
+    local = engines.build("hf", model, tokenizer)
+    for rows, part, seed in ((slice(0, 8), ids[:2], 5), (slice(8, 12), ids[2:], 7)):
+        want = local.generate(part, 4, PARAMS, seed=seed, with_logprobs=True)
+        T = want.response_ids.shape[1]
+        assert torch.equal(got.response_ids[rows, :T], want.response_ids)
+        assert torch.equal(got.logp[rows, :T], want.logp)
+        assert not got.response_mask[rows, T:].any()
+
+
+def test_a_killed_generator_is_replaced_and_its_prompts_reissued(two):
+    engine, model, tokenizer = two
+    engine.update_weights(model.state_dict(), None)
+    ids = prompts(tokenizer)
+    before = engine.generate(ids, 4, PARAMS, seed=3, with_logprobs=True)
+    dead = engine.pids()[1]
+    os.kill(dead, signal.SIGKILL)
+    after = engine.generate(ids, 4, PARAMS, seed=3, with_logprobs=True)
+    assert torch.equal(before.response_ids, after.response_ids)
+    assert torch.equal(before.logp, after.logp)
+    assert engine.metrics()["ray/generator_restarts"] == 1
+    assert engine.pids()[1] != dead
+    assert_bit_equal(generator_weights(engine, 1), model.state_dict())
