@@ -3,6 +3,7 @@ reward function importable as ``module:function``, and a factory of small, fast 
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 
@@ -180,3 +181,16 @@ def fresh(make_cfg, reward_module):
         t.setup()
         return t
     return build
+
+
+@pytest.fixture(scope="module")
+def ray_without_auth():
+    """No token authentication for a Ray test cluster (it listens on 127.0.0.1 only); the
+    variable restored after the module."""
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    yield
+    if before is None:
+        os.environ.pop("RAY_AUTH_MODE")
+    else:
+        os.environ["RAY_AUTH_MODE"] = before

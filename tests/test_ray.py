@@ -34,17 +34,7 @@ from conftest import parity_rewards
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed (pip install 'gspo[ray]')")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_without_auth():
-    """No token authentication for the test clusters (they listen on 127.0.0.1 only)."""
-    before = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    yield
-    if before is None:
-        os.environ.pop("RAY_AUTH_MODE")
-    else:
-        os.environ["RAY_AUTH_MODE"] = before
+pytestmark = pytest.mark.usefixtures("ray_without_auth")
 
 
 def clusters_left() -> list[str]:

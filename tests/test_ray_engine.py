@@ -16,17 +16,7 @@ from gspo.models.presets import build_model  # noqa: E402
 from gspo.rollout import engines, remote  # noqa: E402
 from gspo.rollout.generate import SamplingParams  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_without_auth():
-    """No token authentication for the test cluster (it listens on 127.0.0.1 only)."""
-    before = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    yield
-    if before is None:
-        os.environ.pop("RAY_AUTH_MODE")
-    else:
-        os.environ["RAY_AUTH_MODE"] = before
+pytestmark = pytest.mark.usefixtures("ray_without_auth")
 
 
 @pytest.fixture(scope="module")

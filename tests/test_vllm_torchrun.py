@@ -73,6 +73,14 @@ def weights(run, step=STEPS):
     return load_model(run / "checkpoints" / f"step_{step:06d}")[0].state_dict()
 
 
+def stopped_after_step_1(run, into):
+    """A copy of ``run`` as if it had been stopped right after step 1's checkpoint."""
+    shutil.copytree(run, into)
+    for later in range(2, STEPS + 1):
+        shutil.rmtree(into / "checkpoints" / f"step_{later:06d}")
+    (into / "summary.json").unlink()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One process and 2 ranks (ddp), the same job, the cold start shared."""
@@ -105,10 +113,7 @@ def test_two_ranks_sample_and_train_as_one_process(runs):
 
 def test_fsdp_engines_are_synced_from_gathered_shards(runs, tmp_path):
     run = tmp_path / "fsdp"
-    shutil.copytree(runs / "two", run)
-    for later in range(2, STEPS + 1):
-        shutil.rmtree(run / "checkpoints" / f"step_{later:06d}")
-    (run / "summary.json").unlink()
+    stopped_after_step_1(runs / "two", run)
     gspo("train", "--resume", str(run), "dist.strategy=fsdp", ranks=2)
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
@@ -120,10 +125,7 @@ def test_fsdp_engines_are_synced_from_gathered_shards(runs, tmp_path):
 
 def test_a_torchrun_vllm_run_resumes_exactly(runs, tmp_path):
     run = tmp_path / "resumed"
-    shutil.copytree(runs / "two", run)
-    for later in range(2, STEPS + 1):
-        shutil.rmtree(run / "checkpoints" / f"step_{later:06d}")
-    (run / "summary.json").unlink()
+    stopped_after_step_1(runs / "two", run)
     out = gspo("train", "--resume", str(run), ranks=2)
     assert "(step 1)" in out.stderr
     assert timeless(read_metrics(run)) == timeless(read_metrics(runs / "two"))
