@@ -27,6 +27,8 @@ PANELS = [
     ("response/length_mean", "response length (tokens)", False),
     ("optim/grad_norm", "gradient norm", False),
     ("moe/routing_change_rate", "routing change rate (old -> new experts)", False),
+    ("mismatch/ratio_above_2_frac", "share of tokens with sampler/trainer ratio above 2", True),
+    ("moe/sampler_trainer_disagreement", "routers differing, sampler vs trainer", False),
 ]
 
 
