@@ -229,8 +229,9 @@ def placement(out: Resolved, env: Environment) -> None:
     if c.rollout.placement == "colocated":
         return
     refused = [
-        (env.world_size > 1, f"torchrun with {env.world_size} processes (only one trainer "
-                             "process talks to the generators; a gather to rank 0 is not built)"),
+        (env.world_size > 1 and c.dist.strategy == "fsdp",
+         f"torchrun with dist.strategy=fsdp (rank 0 sends the generators its replica: ddp; a "
+         "gather of the shards to rank 0 is not built)"),
         (c.model.lora is not None, "model.lora (the weight sync sends whole weights, not adapters)"),
         (c.moe.routing_replay == "rollout",
          "moe.routing_replay=rollout (the generators do not return the experts they routed to)"),

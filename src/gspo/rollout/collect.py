@@ -94,6 +94,9 @@ def minibatch_seed(run_seed: int, step: int) -> int:
 class Shards(Protocol):
     """What collection asks of the ranks (gspo.training.distributed.Dist; one process: trivial)."""
 
+    world: int
+    """Processes in the torchrun group (1 in one process)."""
+
     def share(self, n: int) -> slice: ...
     def group_share(self, n: int, size: int) -> slice: ...
     def shard(self, items: list) -> list: ...
@@ -158,15 +161,20 @@ class Collector:
         """This rank's sampling seed of round ``rnd`` of ``step`` (recorded for audits). An engine
         that seeds each prompt on its own (``Engine.seeds_per_prompt``: vllm) gets the round's
         seed offset by the index of this rank's first prompt, so that K ranks sample exactly the
-        batch of one process; else each rank its own seed (``Shards.seed``)."""
+        batch of one process; generators on Ray sample every rank's prompts with rank 0's seed;
+        else each rank its own seed (``Shards.seed``)."""
         base = rollout_seed(self.cfg.seed, step, rnd)
-        if engines.spec(self.cfg.rollout.engine).seeds_per_prompt:
+        r = self.cfg.rollout
+        if engines.spec(r.engine).seeds_per_prompt or r.placement == "ray":
             return base + self.engine_share().start
         return self.shards.seed(base)
 
     def engine_group(self) -> int:
-        """Ranks per engine: rollout.engine_tp for an engine with its own kernels (vllm), else 1."""
+        """Ranks per engine: every rank for generators on Ray (rank 0 samples for them all),
+        rollout.engine_tp for an engine with its own kernels (vllm), else 1."""
         r = self.cfg.rollout
+        if r.placement == "ray":
+            return self.shards.world
         return r.engine_tp if engines.spec(r.engine).own_kernels else 1
 
     def engine_share(self) -> slice:
@@ -190,7 +198,8 @@ class Collector:
             options = engines.options_for(r.engine, settings)
             if r.placement == "ray":          # generators of their own (gspo.rollout.remote)
                 spec = remote.RaySpec.of(r, self.cfg.run.threads)
-                self.engine = remote.build(r.engine, self.model, self.tokenizer, spec, **options)
+                self.engine = remote.build(r.engine, self.model, self.tokenizer, spec,
+                                           ranks=self.shards, **options)
             else:
                 self.engine = engines.build(r.engine, self.model, self.tokenizer, **options)
         else:

@@ -24,6 +24,9 @@ building its own ``rollout.engine`` (hf | vllm) from the policy's architecture a
   actor, a fresh group, the latest weights sent to it, its shard re-issued with the same seed;
   the batch is the one it would have been. ``metrics()`` counts the restarts.
 
+Under ``torchrun`` (dist.strategy=ddp) rank 0 alone talks to the generators and hands every
+rank the samples of the whole batch (``RankZero``).
+
 The generators only sample; rewards, π_old and the version arithmetic of ``rollout.async`` stay
 with the trainer (the collector and gspo.training.batch_source). ``ray`` is imported only here,
 when an engine is built. Shapes: P prompts, G responses per prompt, N = P·G rows, T positions.
@@ -541,8 +544,49 @@ def stack(parts: list[Samples], pad_id: int) -> Samples:
                    torch.cat([p.truncated for p in parts]), logp)
 
 
-def build(name: str, model, tokenizer, spec: RaySpec, **options) -> RayEngine:
+class RankZero(engines.Engine):
+    """The generators for a ``torchrun`` trainer (dist.strategy=ddp): rank 0 holds the
+    ``RayEngine`` and samples the prompts of every rank; each rank gets the samples (and the
+    ray/* metrics) from rank 0 (``on_main``: a broadcast over the trainer's own process group, a
+    failure on rank 0 raised on every rank), then keeps its own rows (the collector's engine
+    group is the whole world). The weights go from rank 0's replica, every rank's under ddp."""
+
+    shared = True
+
+    def __init__(self, name: str, engine: RayEngine | None, on_main):
+        self.inner, self.on_main = engine, on_main       # engine: None off rank 0
+        kind = engines.spec(name)
+        self.always_logprobs, self.own_kernels = kind.always_logprobs, kind.own_kernels
+        self.seeds_per_prompt, self.default_correction = kind.seeds_per_prompt, kind.default_correction
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, params: SamplingParams,
+                 seed: int | None = None, with_logprobs: bool = True) -> Samples:
+        return self.on_main(lambda: self.inner.generate(prompt_ids, group_size, params, seed,
+                                                        with_logprobs))
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int | None) -> None:
+        self.on_main(lambda: self.inner.update_weights(weights, version))
+
+    def metrics(self) -> dict:
+        return self.on_main(lambda: self.inner.metrics())
+
+    def pids(self) -> list[int]:
+        return [] if self.inner is None else self.inner.pids()
+
+    def close(self) -> None:
+        """Rank 0 ends the generators (no collective: a run may be closing on an error)."""
+        if self.inner is not None:
+            self.inner.close()
+            self.inner = None
+
+
+def build(name: str, model, tokenizer, spec: RaySpec, ranks=None, **options) -> engines.Engine:
     """Generators of engine ``name`` on Ray for ``model`` (``options``: the engine's own, but
-    initial ``weights``: a generator gets its weights by the first sync, not through Ray)."""
+    initial ``weights``: a generator gets its weights by the first sync, not through Ray).
+    ``ranks`` (gspo.training.collectives.Ranks) of a torchrun trainer: ``RankZero`` over them."""
     options.pop("weights", None)
-    return RayEngine(name, model, tokenizer, spec, **options)
+    if ranks is None or not ranks.enabled:
+        return RayEngine(name, model, tokenizer, spec, **options)
+    built: list[RayEngine] = []
+    ranks.on_main(lambda: built.append(RayEngine(name, model, tokenizer, spec, **options)))
+    return RankZero(name, built[0] if built else None, ranks.on_main)

@@ -194,7 +194,8 @@ class Trainer:
                     max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
                     temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
                     engine=engine, episode=None if self.cfg.multiturn.env is None else self.episode),
-                    alongside=self.collector.engine_group())
+                    alongside=self.collector.engine_group() if engine is self.collector.engine
+                    else 1)                           # (hf on the policy: rank 0 alone)
 
     def wall(self) -> float:
         """Seconds of training so far, over all resumed sessions."""
