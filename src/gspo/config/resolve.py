@@ -187,8 +187,8 @@ def async_rollout(out: Resolved, env: Environment) -> None:
 
 def async_refusal(c: TrainConfig, env: Environment) -> str | None:
     """Why rollout.async cannot serve this config (gspo.training.async_rollout), or None."""
-    if env.world_size > 1:
-        return "torchrun with more than one process (one generation worker per process is not built)"
+    if env.world_size > 1 and (why := async_torchrun_refusal(c)) is not None:
+        return why
     if c.objective.name in ASYNC_OBJECTIVES_REFUSED:
         return f"objective.name={c.objective.name}: {ASYNC_OBJECTIVES_REFUSED[c.objective.name]}"
     if c.moe.routing_replay != "none":
@@ -201,6 +201,23 @@ def async_refusal(c: TrainConfig, env: Environment) -> str | None:
     if c.model.lora is not None and c.model.lora.dropout > 0:
         return (f"model.lora.dropout={c.model.lora.dropout}: the trainer's dropout masks would be "
                 "drawn from the torch RNG the worker samples from (runs not reproducible)")
+    return None
+
+
+def async_torchrun_refusal(c: TrainConfig) -> str | None:
+    """Why rollout.async cannot serve this config under torchrun (a worker per rank, each
+    sampling its rank's share: ddp, hf), or None."""
+    if c.dist.strategy == "fsdp":
+        return ("torchrun with dist.strategy=fsdp (each rank's worker would hold a whole copy "
+                "of the policy beside the shards)")
+    if c.train.dynamic_sampling:
+        return ("torchrun with train.dynamic_sampling (the ranks agree on refill rounds by a "
+                "collective, which a worker cannot make beside the trainer's)")
+    if c.rollout.engine != "hf":
+        return f"torchrun with rollout.engine={c.rollout.engine} (a worker per rank is built for hf)"
+    if c.rollout.placement == "ray":
+        return ("torchrun with rollout.placement=ray (rank 0's generators serve the other ranks "
+                "by a collective, which a worker cannot make beside the trainer's)")
     return None
 
 

@@ -1,0 +1,93 @@
+"""rollout.async under torchrun (dist.strategy=ddp, hf): a worker per rank, each sampling its
+rank's share of the prompts ahead of the trainer with its own copy of the policy, through the
+same batch source as in one process (the version arithmetic is per rank and the same on all).
+
+* s = 0 on 2 ranks (the process worker) is the synchronous 2-rank run: every metric but time/*
+  and async/* equal, final weights bit-equal (the same samples, the same update on each rank).
+* s = 1 on 2 ranks: the thread and the process worker give the same run (metrics, weights),
+  with the staleness 0, 1, 1 of one process.
+* What a worker per rank cannot serve is refused in one line: fsdp, dynamic sampling, vllm,
+  generators on Ray.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gspo.config import load_config
+from gspo.config.resolve import Environment, resolve
+from gspo.models.presets import load_model
+from gspo.observe.metrics import read_metrics
+
+STEPS = 3
+RUN = ["configs/default.yaml", "sft.steps=150", f"train.steps={STEPS}", "train.lr=1e-3",
+       "rollout.prompts_per_step=8", "rollout.group_size=4", "task.n_test=8", "eval.k=1",
+       "run.eval_every=2", "run.trackers=[]", "run.progress=false", "run.save_every=0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_ranks(*args: str) -> None:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+              "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "gspo", "train"]
+    out = subprocess.run([*launch, *RUN, *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+def plain(run):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/"))}
+            for r in read_metrics(run)]
+
+
+def assert_same_weights(a, b):
+    wa, wb = (load_model(r / "checkpoints" / f"step_{STEPS:06d}")[0].state_dict() for r in (a, b))
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wb[k])]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return f"sft.cache_dir={tmp_path_factory.mktemp('sft')}"
+
+
+def test_staleness_zero_on_two_ranks_is_the_synchronous_run(tmp_path, cache):
+    two_ranks(f"run.dir={tmp_path / 'sync'}", cache)
+    two_ranks(f"run.dir={tmp_path / 's0'}", cache, "rollout.async=true", "rollout.max_staleness=0",
+              "rollout.async_worker=process")
+    sync, s0 = plain(tmp_path / "sync"), plain(tmp_path / "s0")
+    assert [r["step"] for r in s0] == list(range(STEPS + 1)) and "eval/accuracy" in s0[2]
+    assert any(r["reward/std"] > 0 for r in s0[1:])
+    assert s0 == sync
+    assert_same_weights(tmp_path / "sync", tmp_path / "s0")
+
+
+def test_staleness_one_on_two_ranks_thread_and_process_workers_agree(tmp_path, cache):
+    s1 = ("rollout.async=true", "rollout.max_staleness=1")
+    two_ranks(f"run.dir={tmp_path / 'thread'}", cache, *s1, "rollout.async_worker=thread")
+    two_ranks(f"run.dir={tmp_path / 'process'}", cache, *s1, "rollout.async_worker=process")
+    thread = read_metrics(tmp_path / "thread")
+    assert [r.get("async/staleness") for r in thread[1:]] == [0.0, 1.0, 1.0]
+    assert plain(tmp_path / "thread") == plain(tmp_path / "process")
+    assert_same_weights(tmp_path / "thread", tmp_path / "process")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dist.strategy=fsdp", "dist.strategy=fsdp"),
+    ("train.dynamic_sampling=true", "train.dynamic_sampling"),
+    ("rollout.engine=vllm", "rollout.engine=vllm"),
+    ("rollout.placement=ray", "rollout.placement=ray"),
+])
+def test_what_a_worker_per_rank_cannot_serve_is_refused(tmp_path, override, message):
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "rollout.async=true", override])
+    with pytest.raises(ValueError, match=f"rollout.async=true cannot serve torchrun with {message}") as err:
+        resolve(cfg, Environment(world_size=2))
+    assert "\n" not in str(err.value)
