@@ -522,11 +522,12 @@ def test_what_it_cannot_serve_is_refused_in_one_line(override, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-def test_torchrun_is_refused(monkeypatch):
+def test_torchrun_serves_ddp_and_refuses_fsdp(monkeypatch):
+    """A worker per rank (ddp, hf; tests/test_async_torchrun.py runs it); fsdp is refused."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="torchrun"):
-        load_config(None, ["rollout.async=true"])
-    load_config(None, ["rollout.async=false"])          # the synchronous loop is unaffected
+    assert load_config(None, ["rollout.async=true"]).rollout.async_
+    with pytest.raises(ConfigError, match="torchrun with dist.strategy=fsdp"):
+        load_config(None, ["rollout.async=true", "dist.strategy=fsdp"])
 
 
 def test_config_round_trips_the_async_key(tmp_path):
