@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The vllm engine's tests (tests/test_vllm*.py, skipped elsewhere) in their own venv: vLLM's CPU
+# The vllm engine's tests (tests/rollout/test_vllm*.py, skipped elsewhere) in their own venv: vLLM's CPU
 # build pins torch 2.13 and transformers <5.20. The torchvision/torchaudio/torchcodec it pulls in
 # are built for another torch and break `import transformers`, so they are removed (gspo needs none).
 # vLLM keeps one parallel state per process: the MoE file and the training loop's file run in
@@ -49,9 +49,9 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py tests/test_engines.py
-	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_moe.py
-	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_train.py tests/test_engine_config.py tests/test_vllm_torchrun.py
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm.py tests/rollout/test_engines.py
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_moe.py
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_train.py tests/rollout/test_engine_config.py tests/rollout/test_vllm_torchrun.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/logprob_memory.py

@@ -1,6 +1,7 @@
 """The package's layering, beyond what import-linter checks (pyproject.toml [tool.importlinter]):
 no module imports another module's private (underscore) names, and only the CLI imports gspo
-modules inside functions (its commands load what they need; nothing is above it)."""
+modules inside functions (its commands load what they need; nothing is above it); the tests
+mirror the packages."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_every_layer_says_what_it_is_and_what_it_never_imports():
     for init in sorted(SRC.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "never imports" in doc, init
+
+
+def test_the_tests_are_laid_out_like_the_packages():
+    """tests/<package>/ holds the tests of gspo.<package>; at the top, only what spans the whole
+    package (layers, security, registries, end to end) and the shared conftest."""
+    tests = Path(__file__).parent
+    folders = {d.name for d in tests.iterdir() if d.is_dir() and d.name not in ("data", "__pycache__")}
+    packages = {d.name for d in SRC.iterdir() if (d / "__init__.py").is_file()}
+    assert folders <= packages, folders - packages
+    top = {p.name for p in tests.glob("test_*.py")}
+    assert top == {"test_layers.py", "test_security.py", "test_registry.py", "test_e2e.py"}, top

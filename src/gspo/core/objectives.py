@@ -87,7 +87,7 @@ def register(name: str, *, sequence_level: bool, paper: str, zero_at_zero_advant
     aggregation…).
 
     ``zero_at_zero_advantage``: whether the loss is proportional to Â (0 in value and gradient where
-    Â = 0); the row-skipping path reads it from the spec (tests/test_objectives.py checks it)."""
+    Â = 0); the row-skipping path reads it from the spec (tests/core/test_objectives.py checks it)."""
 
     def decorate(fn: Objective) -> Objective:
         params = inspect.signature(fn).parameters.values()

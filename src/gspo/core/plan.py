@@ -7,7 +7,7 @@ Two savings, both exact for the update (same loss value and gradient):
   runs only on the rows of minibatches 2..M (none at all when M = 1). The first minibatch's ratio
   is then 1 bit for bit.
 * **Rows without signal.** Every registered objective is proportional to the advantage (its loss
-  and gradient are exactly 0 where Â = 0; tests/test_objectives.py pins this), and a row with an
+  and gradient are exactly 0 where Â = 0; tests/core/test_objectives.py pins this), and a row with an
   empty loss mask contributes nothing either. Such rows need neither π_old nor a forward/backward:
   they stay in the loss with log π_θ = log π_old (ratio 1), so counts and normalisers are unchanged.
 

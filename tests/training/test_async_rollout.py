@@ -523,7 +523,7 @@ def test_what_it_cannot_serve_is_refused_in_one_line(override, needle):
 
 
 def test_torchrun_serves_ddp_and_refuses_fsdp(monkeypatch):
-    """A worker per rank (ddp, hf; tests/test_async_torchrun.py runs it); fsdp is refused."""
+    """A worker per rank (ddp, hf; tests/training/test_async_torchrun.py runs it); fsdp is refused."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert load_config(None, ["rollout.async=true"]).rollout.async_
     with pytest.raises(ConfigError, match="torchrun with dist.strategy=fsdp"):

@@ -3,7 +3,7 @@ machine, in runs: s = 0 is the colocated run (metrics and weights), a killed gen
 with nothing lost, s = 1 the colocated asynchronous run; a SIGKILLed trainer leaves no process
 behind, a finished one neither, a lost cluster ends the run in one line; bad input is one line,
 exit 2, before training. The engine alone (bit-equal syncs, shards, a killed generator):
-tests/test_ray_engine.py.
+tests/rollout/test_ray_engine.py.
 
 Each cluster start costs seconds (``ray start``, actors importing torch and transformers). Ray's
 token authentication is off for the session (no ~/.ray/auth_token written); a local cluster

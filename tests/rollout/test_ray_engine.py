@@ -2,7 +2,7 @@
 cluster, one engine for the module (its start costs seconds). The weights are bit-equal on every
 generator after every sync, versioned, a stale sync refused; each shard is seeded by its first
 prompt; a SIGKILLed generator is replaced and its prompts re-issued with the same samples.
-The runs, processes and refusals: tests/test_ray.py."""
+The runs, processes and refusals: tests/rollout/test_ray.py."""
 
 import os
 import signal

@@ -25,7 +25,7 @@ from gspo.errors import UserError
 from gspo.observe.report import build_report
 from gspo.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HAS_GIT = shutil.which("git") is not None
 
 

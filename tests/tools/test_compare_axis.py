@@ -13,7 +13,7 @@ from gspo.cli import main
 from gspo.config import ConfigError
 from gspo.tools import compare, compare_stats
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 SUITE = {
     "base": str(REPO / "configs/default.yaml"),

@@ -10,7 +10,7 @@ from gspo.rewards.sources import build_rewards
 from gspo.tasks import Example
 from gspo.tasks.verifiers import final_answer, math_equal, think_format
 
-DATA = Path(__file__).parent / "data" / "gsm8k_style.jsonl"
+DATA = Path(__file__).parents[1] / "data" / "gsm8k_style.jsonl"
 
 # (completion, reference answer, equal by value?)
 MATH_CASES = [

@@ -48,7 +48,7 @@ def test_shipped_default_yaml_loads():
     assert cfg.batch_size % cfg.train.minibatches == 0
 
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_package_ships_the_repository_default_byte_for_byte():
@@ -264,7 +264,7 @@ def test_objective_kwargs_are_derived_from_the_config():
     assert load_config(None, ["objective.name=cispo"]).token_aggregation() == "token-mean"
 
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")

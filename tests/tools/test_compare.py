@@ -11,7 +11,7 @@ import yaml
 from gspo.tools import compare, compare_stats
 from gspo.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------------- aggregation

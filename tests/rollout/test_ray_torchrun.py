@@ -4,7 +4,7 @@ talks to the generators and hands each rank the samples of the whole batch
 
 Why 2 ranks can repeat the colocated process: rank 0 samples every prompt with the one-process
 seed (a single hf generator seeded as the colocated engine is, its weights bit-equal after each
-sync: tests/test_ray_engine.py), so the batch is the one-process batch; the update differs from
+sync: tests/rollout/test_ray_engine.py), so the batch is the one-process batch; the update differs from
 one process only by the order in which gradients are summed over ranks.
 
 * 2 ranks on Ray vs 1 colocated process, 3 steps: every reward, response and evaluation metric
