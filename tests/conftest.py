@@ -194,3 +194,20 @@ def ray_without_auth():
         os.environ.pop("RAY_AUTH_MODE")
     else:
         os.environ["RAY_AUTH_MODE"] = before
+
+
+# --------------------------------------------------------------------- launching gspo
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gspo_command(ranks: int = 1) -> list[str]:
+    """``python -m gspo`` in one process, or under torchrun with ``ranks`` processes."""
+    if ranks == 1:
+        return [sys.executable, "-m", "gspo"]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "gspo"]

@@ -15,9 +15,7 @@ one process only by the order in which gradients are summed over ranks.
 
 import importlib.util
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from gspo.config.resolve import Environment, resolve
 from gspo.config import load_config
 from gspo.models.presets import load_model
 from gspo.observe.metrics import read_metrics
+from conftest import gspo_command
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed (pip install 'gspo[ray]')")
@@ -39,18 +38,10 @@ SAMPLED = ("reward/", "response/", "eval/")
 """What the samples alone decide: equal (reward/std aside, pooled from the ranks' stds)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def gspo(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    launch = [sys.executable, "-m", "gspo"] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "gspo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([*gspo_command(ranks), *args], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return out
 

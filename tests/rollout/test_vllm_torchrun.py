@@ -25,9 +25,7 @@ order in which gradients are summed over ranks.
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -36,6 +34,7 @@ pytest.importorskip("vllm")
 
 from gspo.models.presets import load_model  # noqa: E402
 from gspo.observe.metrics import read_metrics  # noqa: E402
+from conftest import gspo_command  # noqa: E402
 
 STEPS = 3
 TOL = 5e-5
@@ -49,18 +48,10 @@ SAMPLED = ("reward/", "response/", "eval/")
 rest (losses, ratios, mismatch/*) are sums over rows that the ranks add in another order."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def gspo(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    launch = [sys.executable, "-m", "gspo"] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "gspo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    out = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([*gspo_command(ranks), *args], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return out
 

@@ -11,9 +11,7 @@ same batch source as in one process (the version arithmetic is per rank and the 
 """
 
 import os
-import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from gspo.config import load_config
 from gspo.config.resolve import Environment, resolve
 from gspo.models.presets import load_model
 from gspo.observe.metrics import read_metrics
+from conftest import gspo_command
 
 STEPS = 3
 RUN = ["configs/default.yaml", "sft.steps=150", f"train.steps={STEPS}", "train.lr=1e-3",
@@ -29,16 +28,9 @@ RUN = ["configs/default.yaml", "sft.steps=150", f"train.steps={STEPS}", "train.l
        "run.eval_every=2", "run.trackers=[]", "run.progress=false", "run.save_every=0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_ranks(*args: str) -> None:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-              "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "gspo", "train"]
-    out = subprocess.run([*launch, *RUN, *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+    out = subprocess.run([*gspo_command(ranks=2), "train", *RUN, *args],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
 

@@ -21,7 +21,6 @@ Processes: torch.multiprocessing spawn, gloo on 127.0.0.1 with a free port.
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 from unittest import mock
 
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from conftest import UPDATE_REL, linear_optimizer, update_mismatch
+from conftest import UPDATE_REL, free_port, gspo_command, linear_optimizer, update_mismatch
 
 from gspo.training import distributed
 from gspo.core import objectives
@@ -46,14 +45,8 @@ WORLD = 2
 
 # ----------------------------------------------------------------------------- helpers
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, *args) -> None:
-    torch.multiprocessing.spawn(fn, args=(WORLD, _free_port(), *args), nprocs=WORLD, join=True)
+    torch.multiprocessing.spawn(fn, args=(WORLD, free_port(), *args), nprocs=WORLD, join=True)
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -408,11 +401,8 @@ SMALL_RUN = [
 
 def _gspo(env: dict, *args: str, ranks: int = 1):
     import subprocess
-    import sys
-    launch = [sys.executable, "-m", "gspo"] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "gspo"]
-    return subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*gspo_command(ranks), *args], env=env, capture_output=True, text=True,
+                          timeout=300)
 
 
 @pytest.mark.slow
