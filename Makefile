@@ -49,7 +49,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm.py tests/rollout/test_engines.py
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm.py tests/rollout/test_engines.py tests/rollout/test_vllm_ray.py
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_moe.py
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_train.py tests/rollout/test_engine_config.py tests/rollout/test_vllm_torchrun.py
 
