@@ -197,8 +197,9 @@ def test_resolve_is_pure_and_labels_what_it_derives():
                                    "train.rollout_correction.mode"]
     assert out.derived["train.rollout_correction.mode"].startswith("seq_tis (rollout.async_ratio")
     assert resolve(out.config, Environment()).derived == {}           # resolved: nothing left
-    with pytest.raises(ValueError, match="rollout.async=true cannot serve torchrun with rollout.engine=vllm"):
-        resolve(cfg, Environment(world_size=2))
+    under_torchrun = resolve(cfg, Environment(world_size=2))     # the environment is an input
+    assert under_torchrun.config.rollout.async_worker == "thread"
+    assert "rollout.async_worker" in under_torchrun.derived and "rollout.async_worker" not in out.derived
 
 
 # ------------------------------------------------------------------------------- files

@@ -20,6 +20,8 @@ order in which gradients are summed over ranks.
 * rollout.engine_tp=2 (one engine over both ranks): its log-probs the trainer's on every step.
 * stopped after step 1 and resumed under torchrun (ddp): the run repeats the uninterrupted one
   exactly on this machine (metrics but time/*, final weights).
+* rollout.async (s = 1, a thread worker per rank through its engine): 2 ranks sample as the
+  1-process asynchronous run.
 """
 
 import json
@@ -143,3 +145,24 @@ def test_a_tensor_parallel_engine_over_both_ranks_samples_their_shares_together(
     for key, tol in two_rows.items():
         assert [r[key] for r in rows[1:]] == pytest.approx([r[key] for r in per_rank[1:]],
                                                            abs=tol), key
+
+
+def test_asynchronous_rollouts_on_two_ranks_sample_as_one_process(runs, tmp_path):
+    """rollout.async (s = 1) under torchrun with vllm: each rank's worker (a thread, derived)
+    samples its share through the rank's engine, ahead of its trainer; the 2-rank run samples
+    what the 1-process asynchronous run samples (rewards, responses, evaluations equal; the
+    staleness 0, 1, 1 of one process) and the rest agrees to 1e-4 (sums in another order)."""
+    s1 = ("rollout.async=true", "rollout.max_staleness=1", "run.save_every=0",
+          f"sft.cache_dir={runs / 'sft'}")
+    gspo("train", *RUN, f"run.dir={tmp_path / 'one'}", *s1, "rollout.async_worker=thread")
+    gspo("train", *RUN, f"run.dir={tmp_path / 'two'}", *s1, ranks=2)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r.get("async/staleness") for r in two[1:]] == [0.0, 1.0, 1.0]
+    for a, b in zip(one, two):
+        for key in (k for k in a if not k.startswith(("time/", "async/"))):
+            if key.startswith(SAMPLED) and key != "reward/std":
+                assert b[key] == a[key], (a["step"], key, a[key], b[key])
+            elif key.startswith("mismatch/"):
+                assert b[key] == pytest.approx(a[key], abs=TOL), (a["step"], key)
+            else:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (a["step"], key)

@@ -6,8 +6,9 @@ same batch source as in one process (the version arithmetic is per rank and the 
   and async/* equal, final weights bit-equal (the same samples, the same update on each rank).
 * s = 1 on 2 ranks: the thread and the process worker give the same run (metrics, weights),
   with the staleness 0, 1, 1 of one process.
-* What a worker per rank cannot serve is refused in one line: fsdp, dynamic sampling, vllm,
-  generators on Ray.
+* What a worker per rank cannot serve is refused in one line: fsdp, dynamic sampling, a vllm
+  process worker, generators on Ray; with vllm the worker is derived a thread (its runs:
+  tests/rollout/test_vllm_torchrun.py).
 """
 
 import os
@@ -75,11 +76,19 @@ def test_staleness_one_on_two_ranks_thread_and_process_workers_agree(tmp_path, c
 @pytest.mark.parametrize("override, message", [
     ("dist.strategy=fsdp", "dist.strategy=fsdp"),
     ("train.dynamic_sampling=true", "train.dynamic_sampling"),
-    ("rollout.engine=vllm", "rollout.engine=vllm"),
+    ("rollout.engine=vllm rollout.async_worker=process", "rollout.engine=vllm and rollout.async_worker=process"),
     ("rollout.placement=ray", "rollout.placement=ray"),
 ])
 def test_what_a_worker_per_rank_cannot_serve_is_refused(tmp_path, override, message):
-    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "rollout.async=true", override])
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "rollout.async=true", *override.split()])
     with pytest.raises(ValueError, match=f"rollout.async=true cannot serve torchrun with {message}") as err:
         resolve(cfg, Environment(world_size=2))
     assert "\n" not in str(err.value)
+
+
+def test_with_vllm_the_worker_is_a_thread_through_the_ranks_engine(tmp_path):
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "rollout.async=true",
+                             "rollout.engine=vllm"])
+    out = resolve(cfg, Environment(world_size=2))
+    assert out.config.rollout.async_worker == "thread"
+    assert out.derived["rollout.async_worker"].startswith("thread (torchrun with rollout.engine=vllm")

@@ -174,6 +174,11 @@ def async_rollout(out: Resolved, env: Environment) -> None:
         if c.rollout.async_ratio not in ("auto", "behaviour"):
             raise ValueError(f"rollout.async_ratio={c.rollout.async_ratio} needs rollout.async=true")
         return
+    if (env.world_size > 1 and c.rollout.engine != "hf" and c.rollout.async_worker == "process"
+            and "async_worker" not in c.rollout.model_fields_set):
+        derive(out, "rollout.async_worker", "thread", f"torchrun with rollout.engine="
+               f"{c.rollout.engine}: each rank's worker samples through the rank's engine")
+        c = out.config
     if (why := async_refusal(c, env)) is not None:
         raise ValueError(f"rollout.async=true cannot serve {why}; set rollout.async=false")
     if c.rollout.async_ratio == "auto":
@@ -206,15 +211,17 @@ def async_refusal(c: TrainConfig, env: Environment) -> str | None:
 
 def async_torchrun_refusal(c: TrainConfig) -> str | None:
     """Why rollout.async cannot serve this config under torchrun (a worker per rank, each
-    sampling its rank's share: ddp, hf), or None."""
+    sampling its rank's share: ddp; with vllm a thread worker through the rank's engine), or
+    None."""
     if c.dist.strategy == "fsdp":
         return ("torchrun with dist.strategy=fsdp (each rank's worker would hold a whole copy "
                 "of the policy beside the shards)")
     if c.train.dynamic_sampling:
         return ("torchrun with train.dynamic_sampling (the ranks agree on refill rounds by a "
                 "collective, which a worker cannot make beside the trainer's)")
-    if c.rollout.engine != "hf":
-        return f"torchrun with rollout.engine={c.rollout.engine} (a worker per rank is built for hf)"
+    if c.rollout.engine != "hf" and c.rollout.async_worker == "process":
+        return (f"torchrun with rollout.engine={c.rollout.engine} and rollout.async_worker=process "
+                "(the worker's own engine would join the trainers' process group: use thread)")
     if c.rollout.placement == "ray":
         return ("torchrun with rollout.placement=ray (rank 0's generators serve the other ranks "
                 "by a collective, which a worker cannot make beside the trainer's)")
