@@ -122,7 +122,7 @@ def save_torch(obj, path: Path) -> None:
         out = _Recording(fh)
         try:
             torch.save(obj, out)
-        except Exception as err:
+        except Exception:
             if out.error is not None:
                 raise out.error from None   # (torch's own error says less)
             raise

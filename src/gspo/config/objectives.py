@@ -5,7 +5,7 @@ train.rollout_correction."""
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 

@@ -254,7 +254,7 @@ def placement(out: Resolved, env: Environment) -> None:
         return
     refused = [
         (env.world_size > 1 and c.dist.strategy == "fsdp",
-         f"torchrun with dist.strategy=fsdp (rank 0 sends the generators its replica: ddp; a "
+         "torchrun with dist.strategy=fsdp (rank 0 sends the generators its replica: ddp; a "
          "gather of the shards to rank 0 is not built)"),
         (c.model.lora is not None, "model.lora (the weight sync sends whole weights, not adapters)"),
         (c.moe.routing_replay == "rollout",

@@ -28,7 +28,7 @@ from gspo.models.presets import DTYPES
 from gspo.rewards.isolation import correct_all
 from gspo.rollout import engines, remote
 from gspo.rollout.episodes import Episode, SingleTurn
-from gspo.rollout.generate import RolloutBatch, SamplingParams, generate
+from gspo.rollout.generate import RolloutBatch, SamplingParams
 
 
 @dataclass
