@@ -8,8 +8,10 @@ sync: tests/rollout/test_ray_engine.py), so the batch is the one-process batch; 
 one process only by the order in which gradients are summed over ranks.
 
 * 2 ranks on Ray vs 1 colocated process, 3 steps: every reward, response and evaluation metric
-  equal (the same tokens), the rest (sums over rows the ranks add in another order) to 1e-5
-  relative; final weights equal to 1e-6; one weight sync per step, the cluster gone after.
+  equal (the same tokens, sampled and evaluated with the weights after steps 1 and 2), the rest
+  (sums over rows the ranks add in another order) to 1e-5 relative; one weight sync per step,
+  the cluster gone after. The weights themselves are not compared: after AdamW a rounding-sized
+  gradient difference can move a weight by up to 2 lr (conftest.linear_optimizer).
 * fsdp with Ray under torchrun: refused, one line (a gather to rank 0 is not built).
 """
 
@@ -22,7 +24,6 @@ import pytest
 
 from gspo.config.resolve import Environment, resolve
 from gspo.config import load_config
-from gspo.models.presets import load_model
 from gspo.observe.metrics import read_metrics
 from conftest import gspo_command
 
@@ -73,10 +74,6 @@ def test_two_ranks_on_ray_train_as_one_colocated_process(tmp_path):
                 assert b[key] == a[key], (a["step"], key, a[key], b[key])
             else:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
-    w1, w2 = (load_model(tmp_path / r / "checkpoints" / f"step_{STEPS:06d}")[0].state_dict() for r in ("one", "two"))
-    assert w1.keys() == w2.keys()
-    gap = max((w1[k] - w2[k]).abs().max().item() for k in w1)
-    assert gap < 1e-6, gap
     assert clusters_left() <= before                           # the local cluster ended
 
 

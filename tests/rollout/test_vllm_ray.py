@@ -18,7 +18,6 @@ pytest.importorskip("ray")
 from gspo.models.presets import build_model  # noqa: E402
 from gspo.rollout import engines, remote  # noqa: E402
 from gspo.rollout.generate import SamplingParams  # noqa: E402
-from gspo.models.presets import load_model  # noqa: E402
 from gspo.observe.metrics import read_metrics  # noqa: E402
 from conftest import gspo_command  # noqa: E402
 
@@ -88,6 +87,3 @@ def test_a_torchrun_trainer_with_vllm_generators_trains_as_one_colocated_process
             else:   # sums over rows added in another order, weighed by tis with the engines'
                     # log-probs, which two vLLM processes give ~1e-7 apart (measured: 3e-5 rel)
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    w1, w2 = (load_model(tmp_path / r / "checkpoints" / f"step_{STEPS:06d}")[0].state_dict()
-              for r in ("one", "two"))
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-6
