@@ -16,7 +16,7 @@ least 1e-3. The stress suite (configs/compare/stress.yaml) runs at the first cel
 Usage (one process at a time; --jobs 2 runs two cells side by side, a thread each):
     python benchmarks/stress_calibration.py --out runs/calibration [--steps 8] [--jobs 2]
         [--presets tiny-moe,deep-moe,wide-moe] [--lrs 1e-4,3e-4,1e-3]
-        [--precisions model,bfloat16,int8,fp8,int4]
+        [--precisions model,bfloat16,int8,fp8,int4] [--config configs/long.yaml] [--set K=V ...]
 Writes OUT/calibration.json and OUT/calibration.md (the table, the gate, the chosen cell).
 """
 
@@ -53,11 +53,12 @@ def cell_overrides(preset: str, lr: str, precision: str, steps: int, out: Path) 
             *PRECISION[precision]]
 
 
-def run_cell(preset: str, lr: str, precision: str, steps: int, out: Path, threads: int) -> dict:
+def run_cell(preset: str, lr: str, precision: str, steps: int, out: Path, threads: int,
+             config: str = "configs/moe.yaml", extra: tuple[str, ...] = ()) -> dict:
     name = f"{preset}-lr{lr}-{precision}"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "gspo", "train", str(ROOT / "configs" / "moe.yaml"),
-           *cell_overrides(preset, lr, precision, steps, out)]
+    cmd = [sys.executable, "-m", "gspo", "train", str(ROOT / config),
+           *cell_overrides(preset, lr, precision, steps, out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     row = {"cell": name, "preset": preset, "lr": float(lr), "precision": precision}
     if proc.returncode != 0:
@@ -70,6 +71,7 @@ def run_cell(preset: str, lr: str, precision: str, steps: int, out: Path, thread
     row.update({"routing_change": mean("moe/routing_change_rate"),
                 "sampler_disagreement": mean("moe/sampler_trainer_disagreement"),
                 "ratio_beyond_2": None if above is None else above + (below or 0.0),
+                "ratio_above_2": above,         # the stress suite's gate key (one side)
                 "mismatch_kl": mean("mismatch/kl"), "grad_norm": mean("optim/grad_norm"),
                 "accuracy_start": evals[0] if evals else None, "accuracy_end": evals[-1] if evals else None})
     row["gate"] = passes_gate(row)
@@ -84,14 +86,14 @@ def passes_gate(row: dict) -> bool:
 
 def table(rows: list[dict]) -> list[str]:
     f = lambda x, spec: "–" if x is None else format(x, spec)
-    lines = ["| cell | routing change | sampler/trainer routing | ratio beyond 2 | mismatch KL | grad norm "
-             "| acc start -> end | gate |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| cell | routing change | sampler/trainer routing | ratio beyond 2 (above 2 alone) "
+             "| mismatch KL | grad norm | acc start -> end | gate |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['cell']} | error: {r['error'][:80]} | | | | | | |")
             continue
         lines.append(f"| {r['cell']} | {f(r['routing_change'], '.4f')} | {f(r['sampler_disagreement'], '.4f')} | "
-                     f"{f(r['ratio_beyond_2'], '.2e')} | "
+                     f"{f(r['ratio_beyond_2'], '.2e')} ({f(r.get('ratio_above_2'), '.2e')}) | "
                      f"{f(r['mismatch_kl'], '.2e')} | {f(r['grad_norm'], '.2f')} | "
                      f"{f(r['accuracy_start'], '.3f')} -> {f(r['accuracy_end'], '.3f')} | "
                      f"{'**passes**' if r['gate'] else 'short'} |")
@@ -106,6 +108,9 @@ def main() -> int:
     parser.add_argument("--presets", default="tiny-moe,deep-moe,wide-moe")
     parser.add_argument("--lrs", default="1e-4,3e-4,1e-3")
     parser.add_argument("--precisions", default="model,bfloat16,int8,fp8")
+    parser.add_argument("--config", default="configs/moe.yaml",
+                        help="the job every cell trains (e.g. configs/long.yaml: long answers)")
+    parser.add_argument("--set", nargs="*", default=[], help="overrides for every cell")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,11 +118,13 @@ def main() -> int:
              for q in args.precisions.split(",")]
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda c: run_cell(*c, args.steps, out, threads), cells))
+        rows = list(pool.map(lambda c: run_cell(*c, args.steps, out, threads, args.config,
+                                                tuple(args.set)), cells))
     chosen = next((r for r in rows if r.get("gate")), None)
     (out / "calibration.json").write_text(json.dumps({"gate": GATE, "steps": args.steps, "cells": rows,
                                                       "chosen": chosen and chosen["cell"]}, indent=1))
-    lines = [f"# Stress calibration ({args.steps} GRPO steps a cell, M = 8, 1 seed)", "",
+    lines = [f"# Stress calibration ({args.steps} GRPO steps a cell, M = 8, 1 seed, "
+             f"{args.config} {' '.join(args.set)})".rstrip(), "",
              f"Gate: routing change >= {GATE['moe/routing_change_rate']} per update and ratio-beyond-2 "
              f"share >= {GATE['ratio_beyond_2']:g}.", "", *table(rows), "",
              f"Chosen: {chosen['cell'] if chosen else 'none: the gate was not met on this grid'}."]
