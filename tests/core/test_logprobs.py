@@ -29,15 +29,6 @@ def _tiny_gpt2(seed: int = 0) -> transformers.PreTrainedModel:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread is faster, and immune to OpenMP spinning on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
     return _tiny_qwen3()

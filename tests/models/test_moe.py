@@ -28,15 +28,6 @@ PROMPTS = ["12+7=", "3*4-1=", "hello 9"]  # left-padded to Lp = 8 with <bos>
 RESPONSE_LENS = [5, 2, 4]  # right-padded to T = 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread is faster, and immune to OpenMP spinning on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _tiny_moe(seed: int = 0):
     return build_model("tiny-moe", seed)
 
