@@ -208,3 +208,16 @@ def test_parallel_failure_names_the_run_and_its_log(tmp_path, monkeypatch, capsy
     last = err.strip().splitlines()[-1]
     assert last.startswith("gspo: error: compare: ") and "logs/" in last and "Traceback" not in err
     assert not (out / "results.json").exists()
+
+
+@pytest.mark.parametrize("suite_file", sorted(p.name for p in (REPO / "configs" / "compare").glob("*.yaml")))
+def test_every_shipped_suite_resolves_every_variant(suite_file, tmp_path):
+    """Each configs/compare/*.yaml loads, and every variant's run config (full and --quick, seed 0)
+    passes a run's validation: no stale or misspelt key ships in a suite."""
+    path = REPO / "configs" / "compare" / suite_file
+    suite, _ = compare.expand(compare.load_suite(path))
+    assert suite.variants
+    for variant in suite.variants:
+        for quick in (False, True):
+            cfg = compare.resolve(suite, path, variant, 0, tmp_path, quick=quick)
+            assert cfg.train.steps > 0
