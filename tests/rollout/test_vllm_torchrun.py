@@ -12,8 +12,10 @@ order in which gradients are summed over ranks.
 * 2 ranks (ddp) vs 1 process, 3 steps: every reward, response and evaluation metric equal
   (the same tokens were sampled); losses, ratios, clip fractions and mismatch/* equal to 1e-5
   relative (sums over rows that the ranks add in another order), mismatch/* (the engine's
-  gaps to the trainer, ~1e-7 each) within the engine's tolerance; the final weights equal to
-  1e-6 (gradients summed in another order before each AdamW step).
+  gaps to the trainer, ~1e-7 each) within the engine's tolerance. The weights are not compared:
+  gradients summed in another order differ by rounding, and AdamW's division by sqrt(v) + 1e-8
+  turns that into a CPU-dependent difference in near-zero entries (docs/reliability.md); the
+  metrics of steps 2-3, sampled from those weights, are the comparison.
 * fsdp, resumed from the ddp run's step-1 checkpoint: the engines are synced from weights
   gathered one tensor at a time, and on every step their log-probs equal the trainer's to TOL
   (a wrong or missed sync is off by > 1e-3, test_vllm_train.py).
@@ -98,10 +100,6 @@ def test_two_ranks_sample_and_train_as_one_process(runs):
                 assert b[key] == pytest.approx(a[key], abs=TOL), (a["step"], key)
             else:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
-    w1, w2 = weights(runs / "one"), weights(runs / "two")
-    assert w1.keys() == w2.keys()
-    gap = max((w1[k] - w2[k]).abs().max().item() for k in w1)
-    assert gap < 1e-6, gap
 
 
 def test_fsdp_engines_are_synced_from_gathered_shards(runs, tmp_path):
