@@ -79,15 +79,23 @@ def test_masked_positions_are_exactly_zero(model):
     assert (out.logp[~off] < 0).all() and (out.entropy[~off] > 0).all()
 
 
+@torch.no_grad()
+def _response_logits(model, ids, am, rm):
+    """A plain forward's logits at the positions that predict the response tokens: [N, T, V]."""
+    P, T = ids.shape[1] - rm.shape[1], rm.shape[1]
+    logits = model(ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits
+    return logits[:, P - 1 : P + T - 1]
+
+
 def test_temperature_is_applied(model):
     """log π_τ = log_softmax(logits / τ), from a plain forward: τ = 0.5 differs from τ = 1."""
     ids, am, rm = _batch()
-    P, T = ids.shape[1] - rm.shape[1], rm.shape[1]
+    logits = _response_logits(model, ids, am, rm)
     with torch.no_grad():
-        logits = model(ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits
         hot = response_logprobs(model, ids, am, rm, temperature=0.5, chunk_size=4).logp
         cold = response_logprobs(model, ids, am, rm, temperature=1.0, chunk_size=4).logp
-    expected = torch.log_softmax(logits[:, P - 1 : P + T - 1] / 0.5, -1).gather(-1, ids[:, P:, None])[..., 0]
+    P = ids.shape[1] - rm.shape[1]
+    expected = torch.log_softmax(logits / 0.5, -1).gather(-1, ids[:, P:, None])[..., 0]
     _close(hot, expected * rm)
     assert not torch.allclose(hot, cold)
 
@@ -95,11 +103,10 @@ def test_temperature_is_applied(model):
 def test_entropy_is_minus_sum_p_log_p(model):
     """H = lse(z) − Σ softmax(z)·z equals −Σ p log p of π_τ (computed here in float64)."""
     ids, am, rm = _batch()
-    P, T = ids.shape[1] - rm.shape[1], rm.shape[1]
+    logits = _response_logits(model, ids, am, rm)
     with torch.no_grad():
-        logits = model(ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits
         got = response_logprobs(model, ids, am, rm, temperature=0.6, chunk_size=5).entropy
-    logp = torch.log_softmax(logits[:, P - 1 : P + T - 1].double() / 0.6, -1)  # [N, T, V]
+    logp = torch.log_softmax(logits.double() / 0.6, -1)  # [N, T, V]
     expected = -(logp.exp() * logp).sum(-1) * rm  # [N, T]
     _close(got, expected.float())
 
