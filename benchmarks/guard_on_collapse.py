@@ -32,6 +32,12 @@ Usage (one run at a time; each is a subprocess with one torch thread):
     python benchmarks/guard_on_collapse.py --out runs/guard [--seeds 0,1,2,3,4] [--steps 40]
         [--jump 13] [--factor 10] [--modes observe,rollback,control]
 Writes OUT/guard.json and OUT/guard.md (per run and per rule).
+
+On another job: ``--config`` (default configs/moe.yaml), ``--set`` (overrides after the script's
+own), ``--lr``, ``--jump 0`` (no jump: the collapse is the job's own, and ``control`` is then the
+same run as ``observe``, so leave it out), ``--eval-every``, and ``--rule`` (a rule added to
+RULES, as YAML, e.g. ``"{kind: metric, metric: mismatch/ratio_above_2_frac, threshold: 0.001}"``).
+A ``--no-run`` tabulation needs the same options as the run.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ LR = 1e-4
 """GRPO's learning rate before the jump (it gains there: the calibration's lr-1e-4 cells)."""
 ACTION = {"observe": "warn", "rollback": "rollback", "control": "warn"}
 JUMPS = {"observe": True, "rollback": True, "control": False}
-"""Whether the mode's learning rate jumps by --factor at step --jump."""
+"""Whether the mode's learning rate jumps by --factor at step --jump (none does when --jump is 0)."""
 EXTRA = {"observe": [], "control": [],
          "rollback": ["run.save_every=1", "run.keep_checkpoints=2", "guard.max_rollbacks=3",
                       "guard.rollback_lr_scale=0.5"]}
@@ -95,13 +101,21 @@ def guard_rules(action: str) -> str:
     return f"guard.rules=[{items}]"
 
 
-def run_overrides(mode: str, seed: int, steps: int, jump: int, factor: float, out: Path) -> list[str]:
-    jumps = [f"faults.lr_factor={factor}", f"faults.lr_from_step={jump}"] if JUMPS[mode] else []
+def jumps(mode: str, args: argparse.Namespace) -> bool:
+    return args.jump > 0 and JUMPS[mode]
+
+
+def lr_after(mode: str, args: argparse.Namespace) -> float:
+    return args.lr * args.factor if jumps(mode, args) else args.lr
+
+
+def run_overrides(mode: str, seed: int, args: argparse.Namespace, out: Path) -> list[str]:
+    jump = [f"faults.lr_factor={args.factor}", f"faults.lr_from_step={args.jump}"] if jumps(mode, args) else []
     return [f"run.dir={out / mode / f'seed{seed}'}", "run.overwrite=true", f"seed={seed}",
-            "objective.name=grpo", f"train.lr={LR}", *jumps, "train.minibatches=8", f"train.steps={steps}",
-            "run.eval_every=1", "run.save_every=0", "run.progress=false", "run.trackers=[]",
-            "run.threads=1", "eval.k=1", "eval.keep_best=false", f"sft.cache_dir={out / 'sft-cache'}",
-            guard_rules(ACTION[mode]), *EXTRA[mode]]
+            "objective.name=grpo", f"train.lr={args.lr}", *jump, "train.minibatches=8",
+            f"train.steps={args.steps}", f"run.eval_every={args.eval_every}", "run.save_every=0",
+            "run.progress=false", "run.trackers=[]", "run.threads=1", "eval.k=1", "eval.keep_best=false",
+            f"sft.cache_dir={out / 'sft-cache'}", guard_rules(ACTION[mode]), *EXTRA[mode], *args.set]
 
 
 def first_triggers(events: list[dict]) -> dict[str, int | None]:
@@ -153,15 +167,15 @@ def analyse(mode: str, seed: int, run_dir: Path, lr_after: float) -> dict:
             "accuracy": [a for _, a in series]}
 
 
-def run(mode: str, seed: int, steps: int, jump: int, factor: float, out: Path) -> dict:
+def run(mode: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     """Train one run (a subprocess) and analyse it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "gspo", "train", str(ROOT / "configs" / "moe.yaml"),
-           *run_overrides(mode, seed, steps, jump, factor, out)]
+    cmd = [sys.executable, "-m", "gspo", "train", str(ROOT / args.config),
+           *run_overrides(mode, seed, args, out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode not in (0, 3):                 # 3: the guard paused the run (used up roll-backs)
         return {"mode": mode, "seed": seed, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    return analyse(mode, seed, out / mode / f"seed{seed}", LR * factor if JUMPS[mode] else LR)
+    return analyse(mode, seed, out / mode / f"seed{seed}", lr_after(mode, args))
 
 
 def fmt(x, spec: str = "") -> str:
@@ -170,7 +184,8 @@ def fmt(x, spec: str = "") -> str:
 
 def tables(rows: list[dict]) -> list[str]:
     names = [rule_name(r) for r in RULES]
-    short = {n: n.replace("metric:moe/routing_change_rate", "routing") for n in names}
+    short = {n: "routing" if n == "metric:moe/routing_change_rate" else n.removeprefix("metric:")
+             for n in names}
     lines = ["| mode | seed | cold -> best (step) -> final | crash (by) | fall | first trigger (rule) "
              "| lead to crash / fall | " + " | ".join(short[n] for n in names) +
              " | roll-backs (step -> to) | recovered |",
@@ -198,7 +213,7 @@ def mean_sd(xs: list[float], spec: str = ".3f") -> str:
     return format(statistics.fmean(xs), spec) + (f" ± {statistics.stdev(xs):{spec}}" if len(xs) > 1 else "")
 
 
-def summary(rows: list[dict]) -> list[str]:
+def summary(rows: list[dict], args: argparse.Namespace) -> list[str]:
     lines = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == mode and "error" not in r]
@@ -209,7 +224,7 @@ def summary(rows: list[dict]) -> list[str]:
         leads = [r["lead"] for r in rs if r["lead"] is not None]
         fall_leads = [r["fall_lead"] for r in rs if r["fall_lead"] is not None]
         lines.append(
-            f"* **{mode}** ({len(rs)} seeds, lr {LR:g}{', then ' + format(rs[0]['lr'], 'g') if JUMPS[mode] else ''}): "
+            f"* **{mode}** ({len(rs)} seeds, lr {args.lr:g}{', then ' + format(rs[0]['lr'], 'g') if jumps(mode, args) else ''}): "
             f"crashed {len(crashed)}/{len(rs)}"
             f"{' (steps ' + ', '.join(str(r['crash']['step']) for r in crashed) + ')' if crashed else ''}, "
             f"collapsed {len(fell)}/{len(rs)}"
@@ -254,26 +269,33 @@ def main() -> int:
     parser.add_argument("--jump", type=int, default=13, help="first RL step at the higher lr")
     parser.add_argument("--factor", type=float, default=10.0, help="the jump: lr 1e-4 x this")
     parser.add_argument("--modes", default="observe,rollback,control")
+    parser.add_argument("--config", default="configs/moe.yaml", help="the job, relative to the repository")
+    parser.add_argument("--set", nargs="*", default=[], help="overrides after the script's own")
+    parser.add_argument("--lr", type=float, default=LR, help="GRPO's learning rate (before any jump)")
+    parser.add_argument("--eval-every", type=int, default=1)
+    parser.add_argument("--rule", action="append", default=[], help="a rule added to RULES (YAML)")
     parser.add_argument("--no-run", action="store_true",
                         help="tabulate the runs already in --out (e.g. after a change to the analysis)")
     args = parser.parse_args()
+    RULES.extend(yaml.safe_load(r) for r in args.rule)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode in args.modes.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
-            rows.append(analyse(mode, seed, out / mode / f"seed{seed}",
-                                LR * args.factor if JUMPS[mode] else LR) if args.no_run
-                        else run(mode, seed, args.steps, args.jump, args.factor, out))
+            rows.append(analyse(mode, seed, out / mode / f"seed{seed}", lr_after(mode, args))
+                        if args.no_run else run(mode, seed, args, out))
             print(json.dumps({k: rows[-1].get(k) for k in ("mode", "seed", "crash", "fall_step",
                                                             "first_trigger", "rollbacks", "final",
                                                             "error")}), flush=True)
-    (out / "guard.json").write_text(json.dumps({"rules": RULES, "lr": LR, "jump": args.jump,
+    (out / "guard.json").write_text(json.dumps({"rules": RULES, "lr": args.lr, "jump": args.jump,
                                                 "factor": args.factor, "extra": EXTRA,
+                                                "config": args.config, "set": args.set,
                                                 "steps": args.steps, "runs": rows}, indent=1))
-    lines = [f"# The guard on GRPO's learning-rate collapse ({args.steps} RL steps, tiny-moe, M = 8, "
-             f"lr {LR:g}, x {args.factor:g} from step {args.jump} but in control, "
-             "held-out evaluation every step)", "",
+    jump = (f"x {args.factor:g} from step {args.jump} but in control" if args.jump > 0 else "no jump")
+    lines = [f"# The guard on GRPO's collapse ({args.steps} RL steps, {args.config} "
+             f"{' '.join(args.set)}, M = 8, lr {args.lr:g}, {jump}, "
+             f"held-out evaluation every {args.eval_every} step(s))", "",
              "Rules (action `warn` in observe / control, `rollback` in rollback): " +
              "; ".join(f"{rule_name(r)} {'<' if r['kind'] == 'entropy' else '>'} {r['threshold']}"
                        for r in RULES) + ".", "",
@@ -284,7 +306,7 @@ def main() -> int:
              "line for good. *Lead*: crash (fall) step − the guard's first trigger. Per-rule columns: "
              "the first step each rule fired (rolled-back steps included). *Recovered*: no crash, no "
              "collapse, and a last accuracy at least the cold start's.", "",
-             *tables(rows), "", *summary(rows), "", *paired(rows)]
+             *tables(rows), "", *summary(rows, args), "", *paired(rows)]
     (out / "guard.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
