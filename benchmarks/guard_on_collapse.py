@@ -35,8 +35,9 @@ Writes OUT/guard.json and OUT/guard.md (per run and per rule).
 
 On another job: ``--config`` (default configs/moe.yaml), ``--set`` (overrides after the script's
 own), ``--lr``, ``--jump 0`` (no jump: the collapse is the job's own, and ``control`` is then the
-same run as ``observe``, so leave it out), ``--eval-every``, and ``--rule`` (a rule added to
-RULES, as YAML, e.g. ``"{kind: metric, metric: mismatch/ratio_above_2_frac, threshold: 0.001}"``).
+same run as ``observe``, so leave it out), ``--eval-every``, ``--rules`` (a YAML list instead of
+RULES, whose thresholds are the short-answer job's) and ``--rule`` (one rule more, as YAML, e.g.
+``"{kind: metric, metric: mismatch/ratio_above_2_frac, threshold: 0.001}"``).
 A ``--no-run`` tabulation needs the same options as the run.
 """
 
@@ -274,9 +275,13 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=LR, help="GRPO's learning rate (before any jump)")
     parser.add_argument("--eval-every", type=int, default=1)
     parser.add_argument("--rule", action="append", default=[], help="a rule added to RULES (YAML)")
+    parser.add_argument("--rules", help="a YAML list of rules instead of RULES (thresholds set for "
+                        "another job; --rule adds to it)")
     parser.add_argument("--no-run", action="store_true",
                         help="tabulate the runs already in --out (e.g. after a change to the analysis)")
     args = parser.parse_args()
+    if args.rules is not None:
+        RULES[:] = yaml.safe_load(args.rules)
     RULES.extend(yaml.safe_load(r) for r in args.rule)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
