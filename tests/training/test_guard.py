@@ -102,6 +102,24 @@ def test_severity_order():
     assert stability_rules.decide([t("skip"), t("rollback")]) == "rollback"
 
 
+def test_what_a_rule_judges_decides_how_far_a_rollback_goes():
+    """A rule on the update blames step N (back before N); a rule on the sampled batch blames
+    the weights that drew it, update N − 1's (back before N − 1): from N − 1's checkpoint step N
+    would draw the same batch and fire again. reward_drop judges the batch by default."""
+    cfg = load_config(None, [_rules("{kind: reward_drop, threshold: 0.1}",
+                                    "{kind: metric, metric: mismatch/ratio_above_2_frac, threshold: 1e-3, judges: batch}",
+                                    "{kind: grad_norm, threshold: 1}")])
+    assert [r.judges for r in stability_rules.resolve_rules(cfg.guard)] == ["update", "batch", "batch",
+                                                                           "update"]   # nan first
+    t = lambda action, judges: stability_rules.Trigger(5, "r", action, "m", 1.0, 0.0, ">",  # noqa: E731
+                                                       judges=judges)
+    assert guard.rollback_before(5, [t("rollback", "update")]) == 5
+    assert guard.rollback_before(5, [t("rollback", "update"), t("rollback", "batch")]) == 4
+    assert guard.rollback_before(5, [t("rollback", "update"), t("warn", "batch")]) == 5
+    with pytest.raises(ConfigError, match="guard.rules.0.judges"):
+        load_config(None, [_rules("{kind: grad_norm, threshold: 1, judges: sampler}")])
+
+
 def test_rule_config_errors_are_one_line():
     bad = {
         "[{kind: clip_fraction, threshold: 0.1}]": "unknown guard rule kind 'clip_fraction'; valid:",
@@ -295,6 +313,44 @@ def test_rollbacks_are_bounded(make_cfg, reward_module):
     assert lrs == pytest.approx([1e-4, 5e-5, 2.5e-5])                   # each retry at the scaled lr
     assert [r["step"] for r in read_metrics(cfg.run.dir)] == [0]
     assert any("roll-backs used" in line for line in logs)
+
+
+@pytest.mark.parametrize("judges, back", [("update", 1), ("batch", 0)])
+def test_a_batch_rule_rolls_back_past_the_update_that_drew_the_batch(make_cfg, reward_module,
+                                                                     judges, back):
+    """A rule that fires once, at step 2 (the lr x10 from step 2 crosses its limit; the roll-back's
+    x0.1 brings it back under). Blaming the update, it rolls back to step 1's checkpoint; blaming
+    the batch, to step 0's, and step 1's checkpoint (the abandoned trajectory's) is removed, then
+    written again when step 1 is redone at the scaled lr."""
+    rule = f"{{kind: metric, metric: optim/lr, threshold: 5.0e-4, action: rollback, judges: {judges}}}"
+    cfg, logs, t = _run(make_cfg, reward_module, "train.steps=3", "run.keep_checkpoints=4",
+                        "faults.lr_factor=10", "faults.lr_from_step=2", "guard.rollback_lr_scale=0.1",
+                        _rules(rule))
+    run = Path(cfg.run.dir)
+    listing = lambda: sorted(p.name for p in (run / "checkpoints").glob("step_*"))  # noqa: E731
+    restored, saved = [], []                     # the checkpoints there at a roll-back / a save
+    real_restore, real_save = t.restore, t.save
+    t.restore = lambda loaded: (restored.append(listing()), real_restore(loaded))
+    t.save = lambda step, wall: (saved.append((step, listing())), real_save(step, wall))[1]
+    t.run()
+    events = read_events(cfg.run.dir)
+    assert [(e["event"], e["step"]) for e in events] == [("trigger", 2), ("rollback", 2)]
+    assert events[0]["judges"] == judges and events[1]["to_step"] == back
+    assert restored == [["step_000000", "step_000001"]]          # what was there when it rolled back
+    first_after = saved[2]                      # saves: the start's, step 1's, then the redo's first
+    if judges == "batch":
+        assert first_after == (1, ["step_000000"])               # step 1's removed before the redo
+    else:
+        assert first_after == (2, ["step_000000", "step_000001"])
+    rows = read_metrics(cfg.run.dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    lrs = [r["optim/lr"] for r in rows[1:]]
+    if judges == "batch":                                        # step 1 redone at lr x0.1
+        assert lrs == pytest.approx([1e-5, 1e-4, 1e-4])
+    else:                                                        # step 1 kept
+        assert lrs == pytest.approx([1e-4, 1e-4, 1e-4])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000000", "step_000001", "step_000002", "step_000003"]
 
 
 # ------------------------------------------------------------------------------- the blow-up

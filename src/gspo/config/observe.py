@@ -75,6 +75,8 @@ class GuardRule(Section):
     """reward_drop: weight of the past in the moving average (default 0.9)."""
     warmup: int = Field(0, ge=0)
     """Skip this many RL steps before the rule is checked."""
+    judges: Literal["update", "batch"] | None = None
+    """What a firing rule blames, so where a roll-back goes: update (this step's update: back to the checkpoint before the step) | batch (the step's samples, drawn by the previous update's weights: one checkpoint further back, since re-running the step would draw the same batch). Default: the kind's (reward_drop: batch; the rest: update); e.g. batch for a metric rule on mismatch/* or reward/*."""
 
     @model_validator(mode="after")
     def _kind(self) -> "GuardRule":

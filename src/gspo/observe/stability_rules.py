@@ -38,6 +38,9 @@ class Rule:
     below: bool = False
     ema: float = 0.9
     warmup: int = 0
+    judges: str = "update"
+    """What a firing rule blames: ``update`` (this step's update) or ``batch`` (this step's
+    samples, drawn by the weights of the update before it): where a roll-back goes."""
 
     @property
     def name(self) -> str:
@@ -54,6 +57,7 @@ class Trigger:
     value: float
     limit: float | None
     op: str  # '>' | '<' | 'not finite'
+    judges: str = "update"
 
     def describe(self) -> str:
         if self.limit is None:
@@ -79,6 +83,9 @@ class RuleKind:
     """Optional GuardRule fields this kind reads besides threshold/action/metric/warmup."""
     doc: str
     observe: Callable[[Rule, dict, dict], dict] | None = None
+    judges: str = "update"
+    """The default of Rule.judges: ``batch`` for a metric of the sampled batch (its reward), which
+    re-running the step from the checkpoint before it would draw again."""
 
 
 _KINDS: Registry[RuleKind] = Registry("guard rule kind")
@@ -86,10 +93,11 @@ _KINDS: Registry[RuleKind] = Registry("guard rule kind")
 
 def register(name: str, *, metric: str | None = None, below: bool = False,
              needs_threshold: bool = True, options: tuple[str, ...] = (), doc: str = "",
-             observe: Callable | None = None):
+             observe: Callable | None = None, judges: str = "update"):
     """Decorator: register a rule kind's check function."""
     def deco(fn: Check) -> Check:
-        _KINDS.add(name, RuleKind(name, fn, metric, below, needs_threshold, options, doc, observe))
+        _KINDS.add(name, RuleKind(name, fn, metric, below, needs_threshold, options, doc, observe,
+                                  judges))
         return fn
     return deco
 
@@ -144,6 +152,7 @@ def _observe_reward(rule: Rule, metrics: dict, state: dict) -> dict:
 
 
 @register("reward_drop", metric="reward/mean", options=("ema",), observe=_observe_reward,
+          judges="batch",
           doc="reward fell more than `threshold` below its moving average")
 def _reward_drop(rule: Rule, metrics: dict, state: dict):
     value, average = number(metrics.get(rule.metric)), state.get("average")
@@ -174,7 +183,8 @@ def resolve_rules(guard_cfg) -> list[Rule]:
         k = kind(r.kind)
         rules.append(Rule(kind=r.kind, action=r.action, threshold=r.threshold,
                           metric=r.metric or k.metric, below=bool(r.below) or k.below,
-                          ema=0.9 if r.ema is None else r.ema, warmup=r.warmup))
+                          ema=0.9 if r.ema is None else r.ema, warmup=r.warmup,
+                          judges=r.judges or k.judges))
     return rules
 
 
@@ -190,7 +200,7 @@ def evaluate(rules: list[Rule], metrics: dict, state: dict, step: int) -> list[T
             continue
         hit = kind(rule.kind).check(rule, metrics, rule_state)
         if hit is not None:
-            out.append(Trigger(step, rule.name, rule.action, *hit))
+            out.append(Trigger(step, rule.name, rule.action, *hit, judges=rule.judges))
     return out
 
 

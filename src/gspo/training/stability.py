@@ -10,6 +10,13 @@ Actions, by severity: ``warn`` < ``skip`` (discard this step's update) < ``rollb
 last checkpoint that passed, scale the learning rate, continue; at most ``max_rollbacks`` times,
 then pause) < ``pause`` (discard this step's update, save a checkpoint, stop).
 
+Where a roll-back goes depends on what the rule judges. A rule on the update (its KL, clipped
+share, gradient norm) blames step N: back to the checkpoint before N. A rule on the sampled batch
+(its reward, the sampler's tail) blames the weights that drew it, those of update N − 1: back to
+a checkpoint before N − 1, since from N − 1's checkpoint step N would draw the same batch again
+and fire again, whatever the learning rate (measured: docs/results.md, "The guard on a real
+collapse").
+
 It is handed the policy, its optimizer and scheduler, the metrics sink and a ``RunControl``
 (checkpoint now, restore a checkpoint, rank 0 decides); never the trainer. What it is not: a fix.
 It stops a run from compounding damage and records what it saw; the thresholds are the user's
@@ -30,7 +37,7 @@ import torch
 from gspo.observe.metrics import MetricsWriter
 from gspo.observe.stability_rules import (EVENTS_FILE, Rule, decide, evaluate, finite_row,
                                           initial_state, observe, resolve_rules)
-from gspo.training.checkpoint import load_latest
+from gspo.training.checkpoint import drop_after, load_latest
 
 EXIT_PAUSED = 3
 """Exit status of `gspo train` when the guard pauses the run."""
@@ -130,10 +137,20 @@ def set_lr_multiplier(optimizer, scheduler, base_lrs: list[float], multiplier: f
             group["initial_lr"] = scheduler.base_lrs[i] = target
 
 
-def last_good_checkpoint(run_dir: Path, warn=print):
-    """The newest checkpoint that verifies and was saved by a step that passed the guard."""
-    return load_latest(run_dir, warn, accept=lambda state: state.get("guard", {}).get("passed", True),
-                       who="guard")
+def last_good_checkpoint(run_dir: Path, warn=print, before: int | None = None):
+    """The newest checkpoint that verifies and was saved by a step that passed the guard (and,
+    with ``before``, by a step before that one)."""
+    def accept(state: dict) -> bool:
+        passed = state.get("guard", {}).get("passed", True)
+        return passed and (before is None or state["step"] < before)
+    return load_latest(run_dir, warn, accept=accept, who="guard")
+
+
+def rollback_before(step: int, triggers) -> int:
+    """The step a roll-back's checkpoint must precede: ``step`` when the roll-back rules blame
+    the update, ``step - 1`` when one blames the batch (drawn by update step - 1's weights)."""
+    blames_batch = any(t.action == "rollback" and t.judges == "batch" for t in triggers)
+    return step - 1 if blames_batch else step
 
 
 # ----------------------------------------------------------------------------- the guard
@@ -217,14 +234,15 @@ class StabilityGuard:
             self.event("trigger", **asdict(t), metrics=finite_row(row))
         row.update({"guard/triggers": len(triggers), "guard/skipped": 0.0})
         if action == "rollback":
+            before = rollback_before(step, triggers)
             if self.state["rollbacks"] < self.cfg.max_rollbacks:
-                loaded = self.rollback(step)
+                loaded = self.rollback(step, before=before)
                 if loaded is not None:
                     return loaded.state["step"]
             else:
                 self.log(f"guard: step {step}: all {self.cfg.max_rollbacks} roll-backs used; "
                          f"pausing at the last checkpoint that passed")
-                loaded = self.rollback(step, count=False)
+                loaded = self.rollback(step, count=False, before=before)
                 if loaded is not None:
                     self.stop(step, loaded.path)
             action = "pause"                         # nothing to roll back to
@@ -252,16 +270,20 @@ class StabilityGuard:
         self.event("skip", step=row["step"])
         self.log(f"guard: step {row['step']}: update discarded (weights, optimizer restored)")
 
-    def rollback(self, step: int, count: bool = True):
-        """Restore the last checkpoint that passed; returns it (None when there is none)."""
-        loaded = last_good_checkpoint(self.run_dir, warn=self.log)
+    def rollback(self, step: int, count: bool = True, before: int | None = None):
+        """Restore the last checkpoint that passed, of a step before ``before``; returns it (None
+        when there is none). Later checkpoints belong to the abandoned steps: removed."""
+        loaded = last_good_checkpoint(self.run_dir, warn=self.log, before=before)
         if loaded is None:
-            self.log("guard: no checkpoint that passed to roll back to")
+            self.log("guard: no checkpoint that passed to roll back to"
+                     + ("" if before is None else f" before step {before}"))
             return None
         self.run.restore(loaded)
         self.load_state_dict(loaded.state.get("guard"), keep_counters=True)
         back = loaded.state["step"]
         self.metrics.truncate_after(back)
+        if self.run.is_main:
+            drop_after(self.run_dir, back)
         if count:
             self.state["rollbacks"] += 1
             self.state["lr_scale"] *= self.cfg.rollback_lr_scale
