@@ -91,6 +91,12 @@ EXTRA = {"observe": [], "control": [],
 """Overrides of a mode besides its rules' action."""
 
 
+def judges_batch(rule: dict) -> bool:
+    """Whether the guard blames the sampled batch for this rule (a roll-back then goes one
+    checkpoint further back: gspo.training.stability.rollback_before)."""
+    return rule.get("judges", "batch" if rule["kind"] == "reward_drop" else "update") == "batch"
+
+
 def rule_name(rule: dict) -> str:
     return rule["kind"] if rule["kind"] != "metric" else f"metric:{rule['metric']}"
 
@@ -298,12 +304,13 @@ def main() -> int:
                                                 "config": args.config, "set": args.set,
                                                 "steps": args.steps, "runs": rows}, indent=1))
     jump = (f"x {args.factor:g} from step {args.jump} but in control" if args.jump > 0 else "no jump")
-    lines = [f"# The guard on GRPO's collapse ({args.steps} RL steps, {args.config} "
+    lines = [f"# The guard on a collapse (GRPO unless --set says otherwise; {args.steps} RL steps, "
+             f"{args.config} "
              f"{' '.join(args.set)}, M = 8, lr {args.lr:g}, {jump}, "
              f"held-out evaluation every {args.eval_every} step(s))", "",
              "Rules (action `warn` in observe / control, `rollback` in rollback): " +
              "; ".join(f"{rule_name(r)} {'<' if r['kind'] == 'entropy' else '>'} {r['threshold']}"
-                       for r in RULES) + ".", "",
+                       + (" (judges the batch)" if judges_batch(r) else "") for r in RULES) + ".", "",
              "*Crash*: `gspo compare`'s crash rule (compare_stats.crash_stats, its defaults: a gain of "
              "0.10, then below cold start − 0.05 for good, or the training reward below half its "
              "start for good). *Fall*: where a run that `collapsed` by the compare table's milder rule "

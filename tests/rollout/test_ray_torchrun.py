@@ -9,7 +9,9 @@ one process only by the order in which gradients are summed over ranks.
 
 * 2 ranks on Ray vs 1 colocated process, 3 steps: every reward, response and evaluation metric
   equal (the same tokens, sampled and evaluated with the weights after steps 1 and 2), the rest
-  (sums over rows the ranks add in another order) to 1e-5 relative; one weight sync per step,
+  (sums over rows the ranks add in another order) to 1e-5 relative, shares of tokens past a
+  threshold (clip fractions) to a few tokens (conftest.update_metric_close: a ratio at the clip
+  boundary can round to the other side; seen once); one weight sync per step,
   the cluster gone after. The weights themselves are not compared: after AdamW a rounding-sized
   gradient difference can move a weight by up to 2 lr (conftest.linear_optimizer).
 * fsdp with Ray under torchrun: refused, one line (a gather to rank 0 is not built).
@@ -25,7 +27,7 @@ import pytest
 from gspo.config.resolve import Environment, resolve
 from gspo.config import load_config
 from gspo.observe.metrics import read_metrics
-from conftest import gspo_command
+from conftest import gspo_command, update_metric_close
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed (pip install 'gspo[ray]')")
@@ -72,8 +74,8 @@ def test_two_ranks_on_ray_train_as_one_colocated_process(tmp_path):
         for key in a:
             if key.startswith(SAMPLED) and key != "reward/std":
                 assert b[key] == a[key], (a["step"], key, a[key], b[key])
-            else:
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+            else:                         # sums in another order; token shares to a few tokens
+                assert update_metric_close(key, b[key], a[key]), (a["step"], key, a[key], b[key])
     assert clusters_left() <= before                           # the local cluster ended
 
 

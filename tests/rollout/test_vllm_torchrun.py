@@ -10,8 +10,9 @@ checkpoint the one-process engine loads). The update then differs from one proce
 order in which gradients are summed over ranks.
 
 * 2 ranks (ddp) vs 1 process, 3 steps: every reward, response and evaluation metric equal
-  (the same tokens were sampled); losses, ratios, clip fractions and mismatch/* equal to 1e-5
-  relative (sums over rows that the ranks add in another order), mismatch/* (the engine's
+  (the same tokens were sampled); losses and ratios equal to 1e-5 relative, clip fractions to a
+  few tokens (sums over rows that the ranks add in another order; conftest.update_metric_close),
+  mismatch/* (the engine's
   gaps to the trainer, ~1e-7 each) within the engine's tolerance. The weights are not compared:
   gradients summed in another order differ by rounding, and AdamW's division by sqrt(v) + 1e-8
   turns that into a CPU-dependent difference in near-zero entries (docs/reliability.md); the
@@ -38,7 +39,7 @@ pytest.importorskip("vllm")
 
 from gspo.models.presets import load_model  # noqa: E402
 from gspo.observe.metrics import read_metrics  # noqa: E402
-from conftest import gspo_command  # noqa: E402
+from conftest import gspo_command, update_metric_close  # noqa: E402
 
 STEPS = 3
 TOL = 5e-5
@@ -98,8 +99,8 @@ def test_two_ranks_sample_and_train_as_one_process(runs):
                 assert b[key] == a[key], (a["step"], key, a[key], b[key])
             elif key.startswith("mismatch/"):     # engine vs trainer gaps, each within TOL
                 assert b[key] == pytest.approx(a[key], abs=TOL), (a["step"], key)
-            else:
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+            else:                         # sums in another order; token shares to a few tokens
+                assert update_metric_close(key, b[key], a[key]), (a["step"], key, a[key], b[key])
 
 
 def test_fsdp_engines_are_synced_from_gathered_shards(runs, tmp_path):
