@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import yaml  # noqa: E402
 
-from gspo.observe.stability_rules import read_events  # noqa: E402
+from gspo.observe.stability_rules import kind as stability_kind, read_events  # noqa: E402
 from gspo.tools.compare import paired_final  # noqa: E402
 from gspo.tools.compare_stats import accuracy_crash, collapsed, crash_stats, eval_series  # noqa: E402
 
@@ -94,7 +94,7 @@ EXTRA = {"observe": [], "control": [],
 def judges_batch(rule: dict) -> bool:
     """Whether the guard blames the sampled batch for this rule (a roll-back then goes one
     checkpoint further back: gspo.training.stability.rollback_before)."""
-    return rule.get("judges", "batch" if rule["kind"] == "reward_drop" else "update") == "batch"
+    return rule.get("judges", stability_kind(rule["kind"]).judges) == "batch"
 
 
 def rule_name(rule: dict) -> str:
@@ -117,7 +117,8 @@ def lr_after(mode: str, args: argparse.Namespace) -> float:
 
 
 def run_overrides(mode: str, seed: int, args: argparse.Namespace, out: Path) -> list[str]:
-    jump = [f"faults.lr_factor={args.factor}", f"faults.lr_from_step={args.jump}"] if jumps(mode, args) else []
+    jump = ([f"faults.lr_factor={args.factor}", f"faults.lr_from_step={args.jump}"]
+            if jumps(mode, args) else [])
     return [f"run.dir={out / mode / f'seed{seed}'}", "run.overwrite=true", f"seed={seed}",
             "objective.name=grpo", f"train.lr={args.lr}", *jump, "train.minibatches=8",
             f"train.steps={args.steps}", f"run.eval_every={args.eval_every}", "run.save_every=0",

@@ -12,11 +12,10 @@ order in which gradients are summed over ranks.
 * 2 ranks (ddp) vs 1 process, 3 steps: every reward, response and evaluation metric equal
   (the same tokens were sampled); losses and ratios equal to 1e-5 relative, clip fractions to a
   few tokens (sums over rows that the ranks add in another order; conftest.update_metric_close),
-  mismatch/* (the engine's
-  gaps to the trainer, ~1e-7 each) within the engine's tolerance. The weights are not compared:
-  gradients summed in another order differ by rounding, and AdamW's division by sqrt(v) + 1e-8
-  turns that into a CPU-dependent difference in near-zero entries (docs/reliability.md); the
-  metrics of steps 2-3, sampled from those weights, are the comparison.
+  mismatch/* (the engine's gaps to the trainer, ~1e-7 each) within the engine's tolerance. The
+  weights are not compared: gradients summed in another order differ by rounding, and AdamW's
+  division by sqrt(v) + 1e-8 turns that into a CPU-dependent difference in near-zero entries
+  (docs/reliability.md); the metrics of steps 2-3, sampled from those weights, are the comparison.
 * fsdp, resumed from the ddp run's step-1 checkpoint: the engines are synced from weights
   gathered one tensor at a time, and on every step their log-probs equal the trainer's to TOL
   (a wrong or missed sync is off by > 1e-3, test_vllm_train.py).

@@ -134,14 +134,15 @@ def remove_partial(run_dir: str | Path) -> list[Path]:
     return partial
 
 
-def step_of(path: Path) -> int:
-    return int(path.name.removeprefix(PREFIX))
+def checkpoint_step(path: Path) -> int:
+    """The RL step of a checkpoint folder (``step_000012`` -> 12)."""
+    return int(path.name[len(PREFIX):])
 
 
 def drop_after(run_dir: str | Path, step: int) -> list[Path]:
     """Remove the finished checkpoints of steps after ``step`` (a roll-back abandoned them, so a
     resume must not pick them up) and return them."""
-    later = [p for p in list_checkpoints(run_dir) if step_of(p) > step]
+    later = [p for p in list_checkpoints(run_dir) if checkpoint_step(p) > step]
     for path in later:
         shutil.rmtree(path, ignore_errors=True)
     return later

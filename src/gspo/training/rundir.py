@@ -28,7 +28,7 @@ from gspo.errors import UserError, WriteFailed
 from filelock import FileLock, Timeout
 
 from gspo.storage import STORAGE_ERRNOS, reason, write_atomic
-from gspo.training.checkpoint import PREFIX, list_checkpoints, remove_partial
+from gspo.training.checkpoint import checkpoint_step, list_checkpoints, remove_partial
 
 LOCK_FILE = ".gspo.lock"
 HOLDER_FILE = ".gspo.lock.holder"
@@ -126,10 +126,6 @@ def describe_holder(text: str) -> str:
 
 
 # ------------------------------------------------------------------------------ write faults
-def checkpoint_step(path: Path) -> int:
-    return int(path.name[len(PREFIX):])
-
-
 def resume_hint(run_dir: str | Path) -> str:
     """The last complete checkpoint of the run and the command that continues it."""
     run = Path(run_dir)
