@@ -6,7 +6,8 @@ rollout.async at s = 1 with either ratio (decoupled: π_prox partly from the wor
 π_old from the worker), and rollout.engine=vllm (with ``--vllm-python``, the interpreter of a
 venv that has vLLM, by default ``.venv-vllm/bin/python`` of this checkout, else of the checkout
 PYTHONPATH names first; no such interpreter: the run is reported skipped, and a failure if
-``--only`` asked for it), each with the ``gspo`` package found on PYTHONPATH (so any checkout
+``--only`` asked for it), and the multi-turn tool job (configs/tools.yaml: the tool loop, its
+environment and the calculator tool), each with the ``gspo`` package found on PYTHONPATH (so any checkout
 can be measured), then
 
 * ``--record DIR``: stores each run's metrics.jsonl without its wall-clock keys (``time/*`` and
@@ -61,6 +62,7 @@ RUNS = {  # name -> (config file, overrides)
                                               "rollout.max_staleness=1",
                                               "rollout.async_ratio=behaviour"]),
     "vllm-gspo": ("default.yaml", ["objective.name=gspo", "rollout.engine=vllm"]),
+    "tools-gspo": ("tools.yaml", ["objective.name=gspo"]),
 }
 VLLM_RUNS = {"vllm-gspo"}
 """Runs that need an interpreter with vLLM (``--vllm-python``)."""
