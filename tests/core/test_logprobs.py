@@ -4,7 +4,8 @@ import pytest
 import torch
 import transformers
 
-from gspo.core.logprobs import naive_response_logprobs, position_ids_from_mask, response_logprobs
+from gspo.core.logprobs import (naive_response_logprobs, packed_logprobs, position_ids_from_mask,
+                                 response_logprobs)
 
 V, PAD = 97, 0
 PROMPT_LENS = [5, 3, 7]  # left-padded to P = 7
@@ -317,3 +318,28 @@ def test_trim_columns_reach():
     ids, am, rm = _padded_batch()                 # 2 + 7 prompt columns, 6 + 3 response columns
     assert trim_columns(am, rm) == (2, 9 + 6 - 1, 6)
     assert trim_columns(am, torch.zeros_like(rm))[2] == 0
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_row_equals_padded_rows(attn):
+    """One packed row (positions restarting per sequence, no attention mask) gives each response
+    token the log-prob, and the gradient, of the padded rows, within float32 rounding."""
+    model = _tiny_qwen3()
+    model.config._attn_implementation = attn
+    ids, attention_mask, response_mask = _batch()
+    P, T = max(PROMPT_LENS), max(RESPONSE_LENS)
+    padded = response_logprobs(model, ids, attention_mask, response_mask, chunk_size=4).logp  # [N, T]
+    rows = [ids[i, P - p : P + r] for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS))]
+    packed_ids = torch.cat(rows)[None]  # [1, S]
+    positions = torch.cat([torch.arange(len(r)) for r in rows])[None]  # [1, S]
+    target = torch.cat([torch.arange(len(r)) >= p for r, p in zip(rows, PROMPT_LENS)])[None].long()
+    model.zero_grad()
+    logp = packed_logprobs(model, packed_ids, positions, target, chunk_size=4)  # [1, S]
+    logp.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    _close(logp[target.bool()], padded[response_mask.bool()])
+    assert (logp[~target.bool()] == 0).all()
+    model.zero_grad()
+    response_logprobs(model, ids, attention_mask, response_mask, chunk_size=4).logp.sum().backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        _close(got, want, atol=1e-5)

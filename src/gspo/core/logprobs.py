@@ -12,8 +12,11 @@ runs through the decoder once and its KV cache is gathered to the rows of its gr
 the decoder skips columns no response token depends on: left-padding columns of every row, response
 columns after the last response token of every row, and the last column (it predicts nothing).
 
+`packed_logprobs` scores one packed row (sequences back to back, positions restarting per
+sequence, attention confined to each): the layout of the trainer-only throughput benchmark.
+
 What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no sequence
-packing of the decoder input, no KL or loss; the decoder body runs unchanged (use the model's own
+packing inside `response_logprobs` (the RL passes run padded rows), no KL or loss; the decoder body runs unchanged (use the model's own
 gradient checkpointing for its activations). Head transforms handled: Cohere `logit_scale`,
 Gemma `final_logit_softcapping`; a config with `logits_scaling` (Granite, MiniCPM3, ...) is
 refused rather than silently mis-scored. Parallel wrappers (DDP, FSDP) must be unwrapped by the
@@ -298,6 +301,32 @@ def response_logprobs(
     entropy = _unpack(ent_k, mask, T) if with_entropy else None  # [N, T]
     layout = DecoderLayout(L, a, b, P, prefix_rows)
     return TokenLogProbs(logp=_unpack(logp_k, mask, T), entropy=entropy, layout=layout)  # [N, T]
+
+
+def packed_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,  # [1, S] several sequences back to back, no padding
+    position_ids: torch.Tensor,  # [1, S] restarting at 0 where each sequence starts
+    target_mask: torch.Tensor,  # [1, S] 1 at the tokens to score (0 at each sequence's first)
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """[1, S] float32 log π(input_ids[j] | its sequence's tokens before j) where target_mask == 1,
+    else 0: one packed row, attention confined to each sequence by its restarting positions
+    (transformers reads them as packed sequences when there is no attention mask and no cache:
+    flash-attention varlen, or a block-causal mask for sdpa / eager). The head runs chunked on
+    the scored tokens only, as in `response_logprobs`."""
+    decoder, head = decoder_and_head(model)
+    out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [1, S, H]
+    mask = target_mask[:, 1:].bool()  # [1, S-1] token j+1 is predicted at column j
+    logp_k, _ = _packed_logprobs(head, _logit_transform(model), hidden[:, :-1][mask],  # [K, H]
+                                 input_ids[:, 1:][mask], temperature=temperature,
+                                 chunk_size=chunk_size, with_entropy=False, entropy_grad=False)
+    logp = torch.zeros(target_mask.shape, dtype=torch.float32, device=logp_k.device)  # [1, S]
+    logp[:, 1:].masked_scatter_(mask, logp_k)
+    return logp
 
 
 def naive_response_logprobs(
