@@ -41,7 +41,7 @@ class ModelConfig(Section):
     tokenizer_vocab: int = Field(4096, ge=300)
     """bpe: the most tokens it may have (256 bytes + special tokens + merges); a small corpus stops earlier."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype (bfloat16 / float16: the weights and the optimizer state are kept in it, unless train.master_weights=float32; LoRA adapters stay float32). Logits are upcast to float32 before the log-softmax, and log-probs, ratios and the loss are always float32."""
+    """Parameter dtype: float32 | bfloat16 (AdamW state in it unless train.master_weights=float32) | float16 (float32 masters and dynamic loss scaling; docs/performance.md)."""
     device: str = "auto"
     """cpu | cuda | cuda:N | auto (cuda when available)."""
     lora: LoRAConfig | None = None

@@ -13,6 +13,8 @@ always refused for the same one. Derived (``Resolved.derived``, key -> why):
   ``train.old_logprobs=rollout``, whose π_old is the sampler's);
 * ``rollout.async_ratio``: auto under ``rollout.async`` -> decoupled (with a correction mode for
   the objective's level unless one was set) or behaviour;
+* ``train.master_weights``: unset under ``model.dtype=float16`` -> float32 (float16 AdamW moments
+  underflow; the loss is scaled dynamically, gspo.training.loss_scale);
 * ``rollout.async_worker``: unset under ``rollout.placement=ray`` with ``rollout.async`` ->
   thread (the generators are the worker's sampler; a process worker would start its own).
 
@@ -115,6 +117,17 @@ def minibatches(out: Resolved, env: Environment) -> None:
             f"train.minibatch_by=groups deals whole groups: train.minibatches="
             f"{c.train.minibatches} needs at least as many rollout.prompts_per_step, not "
             f"{c.rollout.prompts_per_step} (or use train.minibatch_by=rows)")
+
+
+def float16(out: Resolved, env: Environment) -> None:
+    c = out.config
+    if c.model.dtype != "float16":
+        return
+    if "master_weights" not in c.train.model_fields_set:
+        derive(out, "train.master_weights", "float32", "model.dtype=float16")
+    elif c.train.master_weights != "float32":
+        raise ValueError("model.dtype=float16 trains with train.master_weights=float32 (float16 "
+                         "AdamW moments underflow: its eps 1e-8 is 0 in float16)")
 
 
 def routing_replay_old(out: Resolved, env: Environment) -> None:
@@ -343,6 +356,6 @@ def multiturn(out: Resolved, env: Environment) -> None:
 
 
 RULES: tuple[Callable[[Resolved, Environment], None], ...] = (
-    advantage_scale, minibatches, routing_replay_old, engine, rollout_correction,
+    advantage_scale, minibatches, float16, routing_replay_old, engine, rollout_correction,
     async_rollout, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn)
 """The rules in the order they run."""

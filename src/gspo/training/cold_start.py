@@ -29,7 +29,7 @@ from gspo.storage import writing
 from gspo.tasks import Example
 from gspo.training import lora
 from gspo.training.episodes import build_episode
-from gspo.training.optim import build_optimizer, build_scheduler
+from gspo.training.optim import MinibatchSteps, build_optimizer, build_scheduler
 
 DONE_FILE = "sft.json"
 
@@ -51,8 +51,10 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
         examples = examples[:cfg.n_examples]
     device = next(model.parameters()).device
     rng = random.Random(seed)
-    optimizer = build_optimizer(model, cfg.lr)
+    half = any(p.dtype == torch.float16 for p in model.parameters())   # masters, loss scale
+    optimizer = build_optimizer(model, cfg.lr, master_weights="float32" if half else "model")
     scheduler = build_scheduler(optimizer, "cosine", cfg.warmup_steps, cfg.steps)
+    steps = MinibatchSteps(optimizer, scheduler, 1.0)
     model.train()
     history, order = [], []
     bar = tqdm(range(cfg.steps), desc=desc, disable=not progress, dynamic_ncols=True)
@@ -66,11 +68,7 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
         batch = (demonstration_batch(tokenizer, chosen, device) if demonstrations is None
                  else demonstrations(tokenizer, chosen, device))   # multi-turn: policy turns only
         loss = sft_loss(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
+        grad_norm = steps.step(loss, model.parameters())   # float16: loss-scaled, skips counted
         history.append({"step": step, "sft/loss": loss.item(), "sft/grad_norm": grad_norm.item()})
         bar.set_postfix(loss=f"{history[-1]['sft/loss']:.3f}")
     optimizer.zero_grad(set_to_none=True)  # the policy leaves SFT without its last gradients

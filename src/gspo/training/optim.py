@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 from transformers import get_scheduler
 
+from gspo.training.loss_scale import LossScaler
 from gspo.training.master_weights import MasterWeightsAdamW
 
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
@@ -21,13 +22,31 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0
                     betas: tuple[float, float] = (0.9, 0.999), master_weights: str = "model"
                     ) -> torch.optim.Optimizer:
     """AdamW; the fused kernel (one call for all parameters, ~4x faster than the per-tensor loop
-    on the tiny presets, docs/performance.md) where torch has it for these parameters."""
+    on the tiny presets, docs/performance.md) where torch has it for these parameters. float16
+    parameters need ``master_weights="float32"`` (float16 moments underflow: AdamW's ε = 1e-8 is
+    0 in float16) and get a dynamic loss scale (gspo.training.loss_scale)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    half = any(p.dtype == torch.float16 for p in params)
+    if half and master_weights != "float32":
+        raise ValueError("float16 parameters train with float32 master weights "
+                         "(train.master_weights=float32)")
     adamw = ADAMW[master_weights]
+    extra = {"loss_scaler": LossScaler()} if half else {}
     try:
-        return adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=True)
+        return adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=True, **extra)
     except (RuntimeError, ValueError):  # a device / dtype without the fused kernel
-        return adamw(params, lr=lr, weight_decay=weight_decay, betas=betas)
+        return adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, **extra)
+
+
+def loss_scaler(optimizer: torch.optim.Optimizer) -> LossScaler | None:
+    """The optimizer's dynamic loss scale (float16 parameters), else None."""
+    return getattr(optimizer, "loss_scaler", None)
+
+
+def scaled(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """What to backpropagate: ``loss`` times the optimizer's loss scale, if it has one."""
+    scaler = loss_scaler(optimizer)
+    return loss if scaler is None else scaler.scaled(loss)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int,
@@ -39,10 +58,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
 
 class MinibatchSteps:
     """One optimizer step per minibatch, alike for every algorithm (the RL step, PPO's critic,
-    SFT, DPO): gradients in, the norm clipped, a step unless the loss or the norm is non-finite
-    (then the gradient is dropped and the skip counted: ``skipped``), the scheduler advanced
-    either way (a skipped update does not shift the schedule); and the minibatches' detached
-    metrics averaged with one host sync (``means``)."""
+    SFT, DPO): gradients in (unscaled first under a loss scale, ``scaled``), the norm clipped, a
+    step unless the loss or the norm is non-finite (then the gradient is dropped and the skip
+    counted: ``skipped``; a loss scale backs off), the scheduler advanced either way (a skipped
+    update does not shift the schedule); and the minibatches' detached metrics averaged with one
+    host sync (``means``; ``optim/loss_scale`` among them under a loss scale)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float, *,
@@ -54,17 +74,24 @@ class MinibatchSteps:
     def step(self, loss: torch.Tensor, params) -> torch.Tensor:
         """backward of ``loss`` from zeroed gradients, then ``apply``; returns the norm."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        scaled(loss, self.optimizer).backward()
         return self.apply(loss, params)
 
     def apply(self, loss: torch.Tensor, params) -> torch.Tensor:
-        """The gradients are in (``loss``: what they are of): clip, step unless non-finite."""
+        """The gradients are in (``loss``: what they are of, unscaled): clip, step unless non-finite."""
+        scaler = loss_scaler(self.optimizer)
+        if scaler is not None:   # into the float32 masters, divided by S (those then clipped)
+            self.add({"optim/loss_scale": torch.tensor(scaler.scale)})
+            params = self.optimizer.take_grads(scaler.scale)
         norm = self.clip(params, self.max_norm)
-        if bool(torch.isfinite(loss.detach()) & torch.isfinite(norm)):   # one host sync
+        finite = bool(torch.isfinite(loss.detach()) & torch.isfinite(norm))   # one host sync
+        if finite:
             self.optimizer.step()
         else:  # a NaN/Inf loss or gradient is never applied: skip this update, counted
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped += 1
+        if scaler is not None:
+            scaler.update(finite)
         self.scheduler.step()
         return norm
 

@@ -44,7 +44,7 @@ from gspo.rollout.generate import RolloutBatch
 from gspo.training import lora
 from gspo.training.algorithms import Algorithm
 from gspo.training.old_policy import Context, OldLogprobs, OldPolicy, Strategy
-from gspo.training.optim import MinibatchSteps
+from gspo.training.optim import MinibatchSteps, scaled
 from gspo.training.passes import LogprobPasses, Minibatch, MinibatchForward
 
 
@@ -251,7 +251,7 @@ class RLStep:
         get a zero gradient, not None, so that AdamW treats them as in the full update."""
         self.optimizer.zero_grad(set_to_none=not partial)   # (zeroed buffers are kept)
         if total.requires_grad:   # False when no row of the minibatch has a signal
-            total.backward()
+            scaled(total, self.optimizer).backward()   # float16: times the loss scale
         if partial:
             for p in self.model.parameters():
                 if p.requires_grad and p.grad is None:
