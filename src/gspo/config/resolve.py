@@ -319,6 +319,10 @@ def not_built_together(out: Resolved, env: Environment) -> None:
     if c.train.master_weights == "float32" and c.dist.strategy == "fsdp":
         raise ValueError("train.master_weights=float32 is not supported with dist.strategy=fsdp "
                          "(the masters are not sharded); use ddp")
+    if c.train.max_tokens_per_microbatch and (c.dist.strategy == "fsdp" or c.moe.aux_loss_coef > 0):
+        raise ValueError("train.max_tokens_per_microbatch does not work with dist.strategy=fsdp "
+                         "(ranks would make different numbers of collective backwards) or "
+                         "moe.aux_loss_coef > 0 (the router loss is not a sum over rows)")
     if c.model.lora is not None and c.objective.name == "ppo":
         raise ValueError("model.lora is not supported with objective.name=ppo (its critic and "
                          "reference are copies of the whole policy); use a group-relative objective")

@@ -57,6 +57,8 @@ class TrainLoopConfig(Section):
     """Drop zero-variance groups and refill the batch with fresh prompts (DAPO)."""
     max_refill_rounds: int = Field(3, ge=0)
     """dynamic_sampling: extra generation rounds at most per step."""
+    max_tokens_per_microbatch: int | None = Field(None, ge=1)
+    """Tokens (padding included) of one forward/backward: a minibatch's rows grouped by length into micro-batches, gradients summed (None: one per minibatch)."""
     logprob_chunk: int = Field(1024, ge=1)
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
     activation_checkpointing: bool = False

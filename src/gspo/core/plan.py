@@ -59,3 +59,43 @@ def plan_update(minibatches: list[Tensor], live: Tensor | None, *, reuse_first: 
     rows = [idx[pos] for idx, pos in zip(later, later_pos)]
     old_rows = torch.cat(rows).sort().values if rows else torch.zeros(0, dtype=torch.long)
     return UpdatePlan(minibatches, trained, old_rows, reuse_first)
+
+
+# ------------------------------------------------------------------------- tokens computed
+# A forward over rows pads each to the longest prompt (left) and the longest response (right) among
+# them (the columns no row uses are trimmed, gspo.core.logprobs.trim_columns): it computes
+# rows × (max prompt + max response) tokens, of which Σ (prompt + response) are real.
+
+
+def forward_tokens(prompt_lens: Tensor, response_lens: Tensor) -> int:
+    """Tokens one forward over these rows computes, padding included ([n] CPU lengths)."""
+    if not len(prompt_lens):
+        return 0
+    return len(prompt_lens) * int(prompt_lens.max() + response_lens.max())
+
+
+def padding_frac(prompt_lens: Tensor, response_lens: Tensor, forwards: list[Tensor]) -> float:
+    """Share of padding among the tokens of ``forwards`` (each a set of rows run as one forward;
+    lengths [N] CPU); 0.0 when nothing is computed."""
+    computed = sum(forward_tokens(prompt_lens[r], response_lens[r]) for r in forwards)
+    real = sum(int((prompt_lens[r] + response_lens[r]).sum()) for r in forwards)
+    return 1.0 - real / computed if computed else 0.0
+
+
+def token_microbatches(prompt_lens: Tensor, response_lens: Tensor, budget: int) -> list[Tensor]:
+    """Positions (CPU, long) of n rows ([n] CPU lengths) grouped by length into micro-batches of
+    at most ``budget`` computed tokens each (``forward_tokens``; a row longer than the budget
+    alone): rows sorted by prompt + response length, longest first, each micro-batch filled
+    greedily. Every position in exactly one; fewer when the lengths are alike."""
+    order = torch.argsort(prompt_lens + response_lens, descending=True, stable=True)
+    groups, current, p_max, r_max = [], [], 0, 0
+    for i in order.tolist():
+        p, r = max(p_max, int(prompt_lens[i])), max(r_max, int(response_lens[i]))
+        if current and (len(current) + 1) * (p + r) > budget:
+            groups.append(torch.tensor(current))
+            current, p, r = [], int(prompt_lens[i]), int(response_lens[i])
+        current.append(i)
+        p_max, r_max = p, r
+    if current:
+        groups.append(torch.tensor(current))
+    return groups

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from gspo.config import TrainConfig
 from gspo.core import objectives
-from gspo.core.plan import UpdatePlan, live_rows, plan_update
+from gspo.core.plan import UpdatePlan, live_rows, padding_frac, plan_update, token_microbatches
 from gspo.core.trajectory import dropped_rows, scored_mask
 from gspo.observe import diagnostics
 from gspo.observe.records import UpdateRecord
@@ -166,26 +166,34 @@ class RLStep:
         steps = MinibatchSteps(self.optimizer, self.scheduler, self.cfg.train.grad_clip,
                                clip=self.ranks.clip_grad_norm)
         self.model.train()
+        lengths, forwards = row_lengths(batch), []     # (prompt, response) [N] CPU; rows per forward
         for i, mb in enumerate(minibatches(plan, batch.loss_mask, self.device)):
             with timer.section("forward_backward"):
                 old.before_minibatch(i)
                 counts = self.ranks.global_counts(mb.mask[mb.idx])   # normalisers over all ranks
-                fwd = self.passes.minibatch(batch, mb, old.logp,
-                                            fill_old=i == 0 and plan.reuse_first and mb.live)
-                adv = old.minibatch_advantages(mb, batch.loss_mask)
-                loss, stats = self.objective(fwd.logp, old.logp[mb.idx], adv[mb.idx],
-                                             mb.mask[mb.idx], **self.objective_kwargs, **counts)
-                if mb.live:
-                    record.add(mb.idx, fwd.logp, loss)
-                total, stats = self.regularised(loss, stats, fwd, mb, counts, ref_logp)
-                self.backward(total, mb.partial)
+                fill = i == 0 and plan.reuse_first and mb.live
+                parts = self.microbatches(mb, lengths)
+                forwards += [mb.host_idx[mb.pos][p] for p in parts] if mb.live else []
+                if len(parts) > 1:
+                    total, stats = self.accumulate(batch, mb, parts, old, counts, ref_logp, fill, record)
+                else:
+                    fwd = self.passes.minibatch(batch, mb, old.logp, fill_old=fill)
+                    adv = old.minibatch_advantages(mb, batch.loss_mask)
+                    loss, stats = self.objective(fwd.logp, old.logp[mb.idx], adv[mb.idx],
+                                                 mb.mask[mb.idx], **self.objective_kwargs, **counts)
+                    if mb.live:
+                        record.add(mb.idx, fwd.logp, loss)
+                    total, stats = self.regularised(loss, stats, fwd, mb, counts, ref_logp)
+                    self.backward(total, mb.partial)
                 total = self.ranks.sync_grads(self.model, total)  # Σ_r ∇L_r = ∇L, the global loss
             with timer.section("optimizer"):
                 stats["optim/grad_norm"] = steps.apply(total, self.model.parameters()).detach()
             steps.add(self.ranks.reduce_stats(stats, mb.mask[mb.idx], self.spec.sequence_level))
         return {**steps.means(), "optim/lr": self.scheduler.get_last_lr()[0],
                 "optim/skipped_nonfinite": steps.skipped,
-                **self.ranks.reduce_metrics({"train/rows_skipped": plan.skipped}, 1)}, record
+                **self.ranks.reduce_metrics({"train/rows_skipped": plan.skipped,
+                                             "perf/padding_frac": padding_frac(*lengths, forwards)},
+                                            1)}, record
 
     # ----------------------------------------------------------------------------- its parts
     def plan(self, batch: RolloutBatch, advantages: Tensor, step: int, speed_paths: bool = True,
@@ -246,10 +254,59 @@ class RLStep:
                                                                       **counts)
         return total, stats
 
-    def backward(self, total: Tensor, partial: bool) -> None:
-        """Gradients of ``total``; ``partial`` (rows skipped): parameters only they would reach
-        get a zero gradient, not None, so that AdamW treats them as in the full update."""
-        self.optimizer.zero_grad(set_to_none=not partial)   # (zeroed buffers are kept)
+    def microbatches(self, mb: Minibatch, lengths: tuple[Tensor, Tensor]) -> list[Tensor]:
+        """Positions within ``mb.pos`` of each forward/backward: one, or under
+        train.max_tokens_per_microbatch its rows grouped by length (gspo.core.plan)."""
+        budget = self.cfg.train.max_tokens_per_microbatch
+        if budget is None or not mb.live or len(mb.pos) < 2:
+            return [torch.arange(len(mb.pos))]
+        rows = mb.host_idx[mb.pos]
+        return token_microbatches(lengths[0][rows], lengths[1][rows], budget)
+
+    def accumulate(self, batch: RolloutBatch, mb: Minibatch, parts: list[Tensor], old: OldLogprobs,
+                   counts: dict, ref_logp: Tensor | None, fill: bool,
+                   record: UpdateRecord) -> tuple[Tensor, dict]:
+        """The minibatch's gradient as a sum over micro-batches (``parts``, positions within
+        ``mb.pos``): each loss carries the minibatch's global normalisers ``counts``, so the sum is
+        the one-forward loss and gradient up to float rounding. The objective's stats and the
+        audit record come from one no-grad pass over the assembled log-probs [m, T], the entropy
+        from the rows' entropies together; the other stats are summed (losses, KL) or averaged
+        weighted by the micro-batches' loss tokens (moe/*)."""
+        if not counts:   # one process: the minibatch's own counts, for each micro-batch's loss
+            lengths = (mb.mask[mb.idx] > 0).sum(-1)                                # [m] |y_i|
+            counts = {"num_seqs": (lengths > 0).sum(), "num_tokens": lengths.sum()}
+        logp = old.logp[mb.idx].detach().clone()                                   # [m, T]
+        total, parts_stats, entropy = 0.0, [], []
+        for j, part in enumerate(parts):
+            pos = mb.pos[part]
+            sub = Minibatch(mb.idx[pos.to(mb.idx.device)], torch.arange(len(pos)), mb.host_idx[pos],
+                            mb.mask, live=True)
+            fwd = self.passes.minibatch(batch, sub, old.logp, fill_old=fill)
+            adv = old.minibatch_advantages(sub, batch.loss_mask)
+            loss, _ = self.objective(fwd.logp, old.logp[sub.idx], adv[sub.idx], mb.mask[sub.idx],
+                                     **self.objective_kwargs, **counts)
+            part_total, stats = self.regularised(loss, {}, fwd, sub, counts, ref_logp)
+            self.backward(part_total, mb.partial, accumulate=j > 0)
+            total = total + part_total.detach()
+            logp[pos.to(logp.device)] = fwd.logp.detach()
+            parts_stats.append((mb.mask[sub.idx].sum().float(), stats))
+            if fwd.entropy is not None:
+                entropy.append((fwd.entropy.detach(), fwd.mask))
+        loss, stats = self.objective(logp, old.logp[mb.idx], adv[mb.idx], mb.mask[mb.idx],
+                                     **self.objective_kwargs, **counts)
+        record.add(mb.idx, logp, loss)
+        stats = {**{f"policy/{k}": v for k, v in stats.items()}, **combined(parts_stats)}
+        if entropy:      # of the rows computed, as one forward's
+            ent, mask = (torch.cat(t) for t in zip(*entropy))                      # [n, T]
+            stats["policy/entropy"] = objectives.aggregate(ent, mask, self.aggregation)
+        return total, stats
+
+    def backward(self, total: Tensor, partial: bool, accumulate: bool = False) -> None:
+        """Gradients of ``total`` (``accumulate``: added to those in); ``partial`` (rows skipped):
+        parameters only they would reach get a zero gradient, not None, so that AdamW treats them
+        as in the full update."""
+        if not accumulate:
+            self.optimizer.zero_grad(set_to_none=not partial)   # (zeroed buffers are kept)
         if total.requires_grad:   # False when no row of the minibatch has a signal
             scaled(total, self.optimizer).backward()   # float16: times the loss scale
         if partial:
@@ -278,6 +335,28 @@ def skips_rows(cfg: TrainConfig, objective: str | None, ref_model) -> bool:
     return bool(objective and t.skip_zero_advantage
                 and objectives.spec(objective).zero_at_zero_advantage and ref_model is None
                 and t.entropy_coef == 0 and cfg.moe.aux_loss_coef == 0)
+
+
+def combined(parts: list[tuple[Tensor, dict]]) -> dict:
+    """Micro-batches' (loss tokens, stats) as one minibatch's: losses and the KL (global
+    normalisers) summed, the others (entropy, moe/*) averaged weighted by loss tokens."""
+    out, weight = {}, {}
+    for w, stats in parts:
+        for k, v in stats.items():
+            w_k = 1.0 if k in ("policy/loss", "policy/kl_ref") else w
+            out[k], weight[k] = out.get(k, 0.0) + w_k * v, weight.get(k, 0.0) + w_k
+    return {k: v if k in ("policy/loss", "policy/kl_ref") else v / max(float(weight[k]), 1.0)
+            for k, v in out.items()}
+
+
+def row_lengths(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    """[N] CPU prompt tokens and response reach of each row (its columns up to its last response
+    token, tool outputs between turns included): what a forward over it computes (one host sync)."""
+    T = batch.response_mask.shape[1]
+    prompt = batch.attention_mask[:, :-T].sum(-1)                                  # [N]
+    cols = torch.arange(1, T + 1, device=batch.response_mask.device)
+    reach = (batch.response_mask.bool() * cols).amax(-1)                           # [N]
+    return prompt.cpu(), reach.cpu()
 
 
 def trained_rows(plan: UpdatePlan) -> Tensor:
