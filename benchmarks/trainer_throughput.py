@@ -22,7 +22,8 @@ Figures (medians over ``--steps`` measured steps after ``--warmup``):
   response tokens only) + 3 · Σ_samples 4 · layers · heads · head_dim · len·(len+1)/2 (causal
   attention, forward + backward); recomputation (activation checkpointing, the head's chunks) is
   not counted, as usual for MFU;
-* peak: the dense matmul FLOP/s of this machine in ``--dtype`` (square matmuls, best of a few);
+* peak: the dense matmul FLOP/s of this machine in ``--dtype`` (square matmuls, the best of a few
+  before and after the steps: on a shared machine the load moves it);
 * peak memory: CUDA ``max_memory_allocated``; on a CPU the process's peak RSS (``ru_maxrss``).
 
     python benchmarks/trainer_throughput.py                       # reduced shape, CPU
@@ -174,6 +175,7 @@ def peak_flops(a: argparse.Namespace) -> float:
 
 
 def run(a: argparse.Namespace) -> dict:
+    peak = peak_flops(a)                         # before and after the steps: the best of both
     model = build(a)
     lens = samples(a, model.config.vocab_size)
     b = batch(a, lens, model.config.vocab_size)
@@ -201,7 +203,7 @@ def run(a: argparse.Namespace) -> dict:
     tokens = sum(p + r for p, r in lens)
     mem = (torch.cuda.max_memory_allocated() / 2**30 if a.device.startswith("cuda")
            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-    peak = peak_flops(a)
+    peak = max(peak, peak_flops(a))
     return dict(params=sum(p.numel() for p in model.parameters()), samples=len(lens), tokens=tokens,
                 computed=b["computed"], step_s=step, tok_s=tokens / step,
                 mfu=model_flops(model.config, lens) / step / peak, peak_tflops=peak / 1e12,

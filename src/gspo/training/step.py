@@ -166,7 +166,7 @@ class RLStep:
         steps = MinibatchSteps(self.optimizer, self.scheduler, self.cfg.train.grad_clip,
                                clip=self.ranks.clip_grad_norm)
         self.model.train()
-        lengths, forwards = row_lengths(batch), []     # (prompt, response) [N] CPU; rows per forward
+        lengths, forwards = row_lengths(batch), []   # (prompt, response) [N] CPU; rows per forward
         for i, mb in enumerate(minibatches(plan, batch.loss_mask, self.device)):
             with timer.section("forward_backward"):
                 old.before_minibatch(i)
@@ -175,7 +175,8 @@ class RLStep:
                 parts = self.microbatches(mb, lengths)
                 forwards += [mb.host_idx[mb.pos][p] for p in parts] if mb.live else []
                 if len(parts) > 1:
-                    total, stats = self.accumulate(batch, mb, parts, old, counts, ref_logp, fill, record)
+                    total, stats = self.accumulate(batch, mb, parts, old, counts, ref_logp, fill,
+                                                   record)
                 else:
                     fwd = self.passes.minibatch(batch, mb, old.logp, fill_old=fill)
                     adv = old.minibatch_advantages(mb, batch.loss_mask)
