@@ -10,7 +10,7 @@ import torch
 
 from conftest import parity_rewards
 from gspo.core.advantages import group_advantages
-from gspo.core.plan import forward_tokens, padding_frac, token_microbatches
+from gspo.core.plan import computed_tokens, forward_tokens, token_microbatches
 from gspo.training.old_policy import OldLogprobs
 from gspo.training.trainer import Trainer
 
@@ -27,12 +27,12 @@ def test_rows_grouped_by_length_within_the_budget():
                                                                [5, 1, 3, 2, 0, 4]]
 
 
-def test_padding_frac_counts_rows_times_the_longest():
+def test_a_forward_computes_rows_times_the_longest():
     prompt, response = torch.tensor([3, 1]), torch.tensor([1, 5])
     # one forward: 2 rows x (3 + 5) = 16 tokens, 10 real; alone: 4 + 6 = 10, no padding
-    assert padding_frac(prompt, response, [torch.tensor([0, 1])]) == pytest.approx(6 / 16)
-    assert padding_frac(prompt, response, [torch.tensor([0]), torch.tensor([1])]) == 0.0
-    assert padding_frac(prompt, response, []) == 0.0
+    assert computed_tokens(prompt, response, [torch.tensor([0, 1])]) == (16, 10)
+    assert computed_tokens(prompt, response, [torch.tensor([0]), torch.tensor([1])]) == (10, 10)
+    assert computed_tokens(prompt, response, []) == (0, 0)
 
 
 def _trainer(make_cfg, reward_module, *overrides, run, double):

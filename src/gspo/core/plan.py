@@ -74,12 +74,13 @@ def forward_tokens(prompt_lens: Tensor, response_lens: Tensor) -> int:
     return len(prompt_lens) * int(prompt_lens.max() + response_lens.max())
 
 
-def padding_frac(prompt_lens: Tensor, response_lens: Tensor, forwards: list[Tensor]) -> float:
-    """Share of padding among the tokens of ``forwards`` (each a set of rows run as one forward;
-    lengths [N] CPU); 0.0 when nothing is computed."""
+def computed_tokens(prompt_lens: Tensor, response_lens: Tensor, forwards: list[Tensor]
+                    ) -> tuple[int, int]:
+    """(tokens computed, padding included; real tokens) of ``forwards``, each a set of rows run
+    as one forward (lengths [N] CPU)."""
     computed = sum(forward_tokens(prompt_lens[r], response_lens[r]) for r in forwards)
     real = sum(int((prompt_lens[r] + response_lens[r]).sum()) for r in forwards)
-    return 1.0 - real / computed if computed else 0.0
+    return computed, real
 
 
 def token_microbatches(prompt_lens: Tensor, response_lens: Tensor, budget: int) -> list[Tensor]:

@@ -40,6 +40,7 @@ DECLARED: dict[str, str] = {
     "mismatch/token_abs_max": MAX, "mismatch/seq_logratio_abs_max": MAX,
     # the step (gspo.training.step)
     "train/rows_skipped": SUM, "train/skipped": MAX,
+    "perf/tokens_computed": SUM, "perf/tokens_real": SUM,
     # wall-clock parts (gspo.observe.timing): the slowest rank's
     "time/{part}": MAX,
     # response-length slices (gspo.observe.diagnostics.length_slices)

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from gspo.config import TrainConfig
 from gspo.core import objectives
-from gspo.core.plan import UpdatePlan, live_rows, padding_frac, plan_update, token_microbatches
+from gspo.core.plan import (UpdatePlan, computed_tokens, live_rows, plan_update,
+                            token_microbatches)
 from gspo.core.trajectory import dropped_rows, scored_mask
 from gspo.observe import diagnostics
 from gspo.observe.records import UpdateRecord
@@ -190,11 +191,14 @@ class RLStep:
             with timer.section("optimizer"):
                 stats["optim/grad_norm"] = steps.apply(total, self.model.parameters()).detach()
             steps.add(self.ranks.reduce_stats(stats, mb.mask[mb.idx], self.spec.sequence_level))
+        computed, real = computed_tokens(*lengths, forwards)
+        counted = self.ranks.reduce_metrics({"train/rows_skipped": plan.skipped,   # all ranks'
+                                             "perf/tokens_computed": computed,
+                                             "perf/tokens_real": real}, 1)
+        padding = 1.0 - counted["perf/tokens_real"] / max(counted["perf/tokens_computed"], 1)
         return {**steps.means(), "optim/lr": self.scheduler.get_last_lr()[0],
-                "optim/skipped_nonfinite": steps.skipped,
-                **self.ranks.reduce_metrics({"train/rows_skipped": plan.skipped,
-                                             "perf/padding_frac": padding_frac(*lengths, forwards)},
-                                            1)}, record
+                "optim/skipped_nonfinite": steps.skipped, **counted,
+                "perf/padding_frac": padding}, record
 
     # ----------------------------------------------------------------------------- its parts
     def plan(self, batch: RolloutBatch, advantages: Tensor, step: int, speed_paths: bool = True,
