@@ -195,7 +195,8 @@ class RLStep:
         counted = self.ranks.reduce_metrics({"train/rows_skipped": plan.skipped,   # all ranks'
                                              "perf/tokens_computed": computed,
                                              "perf/tokens_real": real}, 1)
-        padding = 1.0 - counted["perf/tokens_real"] / max(counted["perf/tokens_computed"], 1)
+        computed = counted["perf/tokens_computed"]
+        padding = 1.0 - counted["perf/tokens_real"] / computed if computed else 0.0
         return {**steps.means(), "optim/lr": self.scheduler.get_last_lr()[0],
                 "optim/skipped_nonfinite": steps.skipped, **counted,
                 "perf/padding_frac": padding}, record
