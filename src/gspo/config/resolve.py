@@ -14,7 +14,8 @@ always refused for the same one. Derived (``Resolved.derived``, key -> why):
 * ``rollout.async_ratio``: auto under ``rollout.async`` -> decoupled (with a correction mode for
   the objective's level unless one was set) or behaviour;
 * ``rollout.async_worker``: unset under ``rollout.placement=ray`` with ``rollout.async`` ->
-  thread (the generators are the worker's sampler; a process worker would start its own).
+  thread (the generators are the worker's sampler; a process worker would start its own);
+* ``rollout.episode``: unset -> tool_loop when ``multiturn.env`` is set, else single_turn.
 
 This module does not read files or the environment, and builds nothing.
 """
@@ -32,7 +33,7 @@ from gspo import envs, tasks
 from gspo.envs.tools import load_tool
 from gspo.config.train import TrainConfig
 from gspo.core import advantages, objectives
-from gspo.rollout import engines
+from gspo.rollout import engines, episodes
 
 ASYNC_OBJECTIVES_REFUSED = {"ppo": "its critic is trained on each batch in step with the policy",
                             "dpo": "its pairs are not importance-weighted",
@@ -311,12 +312,25 @@ def not_built_together(out: Resolved, env: Environment) -> None:
                          "reference are copies of the whole policy); use a group-relative objective")
 
 
+def episode(out: Resolved, env: Environment) -> None:
+    """The run's episode (derived from multiturn.env when unset), and what it cannot serve."""
+    c = out.config
+    if c.rollout.episode is None:
+        name = "single_turn" if c.multiturn.env is None else "tool_loop"
+        derive(out, "rollout.episode", name, f"multiturn.env={c.multiturn.env}")
+    if why := episodes.refusal(out.config.rollout.episode, out.config):
+        raise ValueError(f"rollout.episode={out.config.rollout.episode}: {why}")
+
+
 def multiturn(out: Resolved, env: Environment) -> None:
     """An environment's names and what does not combine with a multi-turn episode yet."""
     c, m = out.config, out.config.multiturn
     if m.env is None:
         if m.tools:
             raise ValueError("multiturn.tools is set but multiturn.env is not: set multiturn.env=tools")
+        if any(s.type == "env" for s in c.rewards.sources):
+            raise ValueError("rewards.sources has type env (the environment's own reward), but "
+                             "multiturn.env is not set: no environment runs to give it")
         return
     if m.env == "tools" and not m.tools:
         raise ValueError("multiturn.env=tools needs multiturn.tools (typed functions, module:function)")
@@ -344,5 +358,6 @@ def multiturn(out: Resolved, env: Environment) -> None:
 
 RULES: tuple[Callable[[Resolved, Environment], None], ...] = (
     advantage_scale, minibatches, routing_replay_old, engine, rollout_correction,
-    async_rollout, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn)
+    async_rollout, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn,
+    episode)
 """The rules in the order they run."""

@@ -334,7 +334,7 @@ class Collector:
             for key, value in self.engine.metrics().items():              # ray/*: its syncs
                 extra[key] = extra.get(key, 0.0) + value
             t0 = time.perf_counter()
-            result = self.rewards(batch.completions, batch.examples)
+            result = self.rewards(batch.completions, batch.examples, batch.records)
             extra["time/reward_s"] = extra.get("time/reward_s", 0.0) + time.perf_counter() - t0
             errors = 0 if result.errors is None else int(result.errors.sum())   # rewards.on_error
             extra["reward/errors"] = extra.get("reward/errors", 0) + errors
@@ -384,6 +384,7 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int, limit: int) -> Roll
         truncated=torch.cat([b.truncated for b in batches])[:limit],
         completions=sum((b.completions for b in batches), [])[:limit],
         examples=sum((b.examples for b in batches), [])[:limit],
+        records=None if batches[0].records is None else sum((b.records for b in batches), [])[:limit],
         rollout_logp=None if batches[0].rollout_logp is None
         else stack(lambda b: b.rollout_logp, 0.0, response_only=True),
         routing=None if batches[0].routing is None else stack(lambda b: b.routing, 0),

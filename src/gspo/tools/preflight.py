@@ -259,8 +259,8 @@ def check_rewards(rewards, examples: list) -> None:
     is reported now instead of failing mid-run or silently scoring every sample 0."""
     probe = examples[:PROBES]
     for source, _ in getattr(rewards, "sources", []):
-        if not isinstance(source, IsolatedSource) or not probe:
-            continue
+        if not isinstance(source, IsolatedSource) or not probe or source.needs_episode:
+            continue                   # (the environment's reward exists once an episode ran)
         _, faults = source([ex.answer for ex in probe], probe)
         if faults and (len(faults) == len(probe) or rewards.on_error == "fail"):
             i, reason = next(iter(faults.items()))

@@ -31,6 +31,7 @@ from gspo.observe.outcome import accuracy_change
 from gspo.observe.records import Recorder
 from gspo.observe.timing import PARTS, breakdown
 from gspo.rewards.isolation import isolated_rewards
+from gspo.rollout import episodes
 from gspo.rollout.collect import Collector, DataCursor
 from gspo.rollout.data import build_task, eval_examples
 from gspo.rollout.evaluation import EvalResult, evaluate
@@ -40,7 +41,6 @@ from gspo.storage import write_atomic, writing
 from gspo.training.checkpoint import load_latest
 from gspo.training.batch_source import build_source
 from gspo.training.cold_start import initial_policy, prepare_policy
-from gspo.training.episodes import build_episode
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
 from gspo.training.rundir import RunLock, claim
@@ -68,7 +68,7 @@ class Trainer:
         self.val_set = [] if self.dist.enabled and cfg.dist.strategy == "fsdp" else \
             selection_examples(self.task, cfg)     # []: no best checkpoint (fsdp: not gathered)
         self.rewards = isolated_rewards(cfg.rewards, self.task)
-        self.episode = build_episode(cfg)           # single turn, or multiturn's tool loop
+        self.episode = episodes.build(cfg.rollout.episode, cfg)   # single turn, tool loop...
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -193,7 +193,7 @@ class Trainer:
                     self.model, self.tokenizer, self.task, examples,
                     max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
                     temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
-                    engine=engine, episode=None if self.cfg.multiturn.env is None else self.episode),
+                    engine=engine, episode=self.episode),
                     alongside=self.collector.engine_group() if engine is self.collector.engine
                     else 1)                           # (hf on the policy: rank 0 alone)
 
@@ -218,8 +218,7 @@ class Trainer:
                 self.rollouts.close()                        # async: the worker stopped and joined
             if getattr(self, "collector", None) is not None:
                 self.collector.close()                       # vllm: its engine core released
-            if hasattr(self.episode, "close"):
-                self.episode.close()                         # multiturn: the tools' sandboxes
+            self.episode.close()                             # multiturn: the tools' sandboxes
             if self.run_lock is not None:   # another process may write this run now
                 self.run_lock.release()
 
