@@ -126,10 +126,10 @@ def routing_replay_old(out: Resolved, env: Environment) -> None:
 
 
 def engine(out: Resolved, env: Environment) -> None:
-    """What an engine with its own kernels (Engine.own_kernels: vllm) cannot serve; the package
+    """What an engine with its own kernels (Capabilities.own_kernels: vllm) cannot serve; the package
     and the model type are checked by the preflight (gspo.rollout.engines.check)."""
     c = out.config
-    if not engines.spec(c.rollout.engine).own_kernels:
+    if not engines.capabilities(c.rollout.engine).own_kernels:
         if c.rollout.engine_tp > 1:
             raise ValueError(f"rollout.engine_tp={c.rollout.engine_tp} splits an engine with its own "
                              f"kernels (vllm) over ranks; rollout.engine={c.rollout.engine} samples "
@@ -155,7 +155,7 @@ def rollout_correction(out: Resolved, env: Environment) -> None:
     c = out.config
     if c.train.rollout_correction.mode is None:
         recompute = c.train.old_logprobs == "recompute"
-        mode = engines.spec(c.rollout.engine).default_correction if recompute else "none"
+        mode = engines.capabilities(c.rollout.engine).default_correction if recompute else "none"
         why = (f"rollout.engine={c.rollout.engine}'s default" if recompute
                else "train.old_logprobs=rollout: π_old is the sampler's")
         derive(out, "train.rollout_correction.mode", mode, why)
@@ -175,8 +175,8 @@ def async_rollout(out: Resolved, env: Environment) -> None:
         if c.rollout.async_ratio not in ("auto", "behaviour"):
             raise ValueError(f"rollout.async_ratio={c.rollout.async_ratio} needs rollout.async=true")
         return
-    if (env.world_size > 1 and c.rollout.engine != "hf" and c.rollout.async_worker == "process"
-            and "async_worker" not in c.rollout.model_fields_set):
+    if (env.world_size > 1 and engines.capabilities(c.rollout.engine).joins_process_group
+            and c.rollout.async_worker == "process" and "async_worker" not in c.rollout.model_fields_set):
         derive(out, "rollout.async_worker", "thread", f"torchrun with rollout.engine="
                f"{c.rollout.engine}: each rank's worker samples through the rank's engine")
         c = out.config
@@ -220,7 +220,7 @@ def async_torchrun_refusal(c: TrainConfig) -> str | None:
     if c.train.dynamic_sampling:
         return ("torchrun with train.dynamic_sampling (the ranks agree on refill rounds by a "
                 "collective, which a worker cannot make beside the trainer's)")
-    if c.rollout.engine != "hf" and c.rollout.async_worker == "process":
+    if engines.capabilities(c.rollout.engine).joins_process_group and c.rollout.async_worker == "process":
         return (f"torchrun with rollout.engine={c.rollout.engine} and rollout.async_worker=process "
                 "(the worker's own engine would join the trainers' process group: use thread)")
     if c.rollout.placement == "ray":
@@ -248,7 +248,7 @@ def async_ratio(out: Resolved) -> None:
 
 
 def placement(out: Resolved, env: Environment) -> None:
-    """What generators on Ray (gspo.rollout.remote) cannot serve yet; the worker of
+    """What generators on Ray (gspo.rollout.engines.ray_generators) cannot serve yet; the worker of
     rollout.async is a thread whose sampler is the generators."""
     c = out.config
     if c.rollout.placement == "colocated":

@@ -110,9 +110,10 @@ class Trainer:
         self.algorithm.setup(algorithms.PolicyParts(
             self.model, self.tokenizer, self.optimizer, self.scheduler, self.device, self.train_set,
             self.ref_model, passes, self.dist))     # ppo: the critic, from the policy
-        self.collector = Collector(cfg, self.model, self.tokenizer, self.task, self.train_set,
-                                   self.cursor, self.rewards, self.dist, self.device,
-                                   episode=self.episode)
+        self.collector = Collector.create(
+            cfg=cfg, model=self.model, tokenizer=self.tokenizer, task=self.task,
+            train_set=self.train_set, cursor=self.cursor, rewards=self.rewards, shards=self.dist,
+            device=self.device, episode=self.episode)
         recorder = Recorder.for_run(cfg, self.run_dir, self.model, self.tokenizer,
                                     self.collector.sampling)
         self.rollouts = build_source(cfg, self.collector, passes, log=self.log,  # now, or ahead
@@ -187,14 +188,15 @@ class Trainer:
         e = self.cfg.eval
         examples = self.test_set if examples is None else examples
         with self.rollouts.rng_lock:                    # async: not while the worker samples
-            engine = self.collector.eval_engine()       # vllm: the same engine; hf: the policy
-            with self.collector.gathered(engine):       # (every rank: fsdp gathers, vllm syncs)
+            host = self.collector.host
+            engine = host.eval_engine()                 # vllm: the same engine; hf: the policy
+            with host.gathered(engine):                 # (every rank: fsdp gathers, vllm syncs)
                 return self.dist.on_main(lambda: evaluate(
                     self.model, self.tokenizer, self.task, examples,
                     max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
                     temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
                     engine=engine, episode=self.episode),
-                    alongside=self.collector.engine_group() if engine is self.collector.engine
+                    alongside=self.collector.shares.engine_group() if engine is host.engine
                     else 1)                           # (hf on the policy: rank 0 alone)
 
     def wall(self) -> float:
