@@ -38,6 +38,7 @@ import dataclasses
 import datetime
 import importlib.util
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -148,17 +149,21 @@ def check_resources(spec: RaySpec, have: Mapping[str, float], where: str) -> Non
 
 # ---------------------------------------------------------------------------- the cluster
 class LocalCluster:
-    """A head node on 127.0.0.1 started for the run in a temporary folder, ended by its keeper
-    (gspo.rollout.ray_keeper) when ``stop`` closes the keeper's pipe or the trainer dies."""
+    """A head node started for the run in a temporary folder, ended by its keeper
+    (gspo.rollout.ray_keeper) when ``stop`` closes the keeper's pipe or the trainer dies. Ray's
+    servers listen on every interface (Ray 2.60 has no loopback-only setting for them), so the
+    cluster runs under Ray's token authentication with ``token``, drawn for this run: every
+    server refuses a client without it (docs/distributed.md, Security)."""
 
     def __init__(self, cpus: float, gpus: float):
         self.temp_dir = tempfile.mkdtemp(prefix="gspo-ray-", dir="/tmp")  # short: socket paths
         self.port = free_port()
+        self.token = secrets.token_hex(32)
         self.keeper = subprocess.Popen(
             [sys.executable, "-m", "gspo.rollout.ray_keeper", self.temp_dir, str(self.port),
              str(int(max(1, round(cpus)))), str(int(gpus)), str(OBJECT_STORE_BYTES)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            env=token_env(os.environ, self.token, PYTHONPATH=os.pathsep.join(sys.path)))
         said = self.keeper.stdout.readline().decode().strip()
         if said != "ready":
             self.stop()
@@ -181,6 +186,33 @@ class LocalCluster:
                 self.keeper.kill()
                 self.keeper.wait()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""How Ray finds its authentication mode and token (Ray 2.60: the variable, a file it names, or
+~/.ray/auth_token)."""
+
+
+def token_env(environ: Mapping[str, str], token: str, **extra: str) -> dict[str, str]:
+    """``environ`` with Ray's token authentication on and ``token`` the token (in the environment,
+    which only the user and root can read; never on a command line, which anyone can)."""
+    env = {k: v for k, v in environ.items() if k not in AUTH_VARS}
+    return {**env, **extra, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+
+def set_auth(values: Mapping[str, str | None]) -> dict[str, str | None]:
+    """This process's ``AUTH_VARS`` set to ``values`` (None or absent: unset) and Ray's cached
+    config and token reloaded; returns the values replaced (``set_auth`` of them restores)."""
+    from ray._raylet import AuthenticationTokenLoader, Config   # Ray's own reload (its tests')
+    before = {k: os.environ.get(k) for k in AUTH_VARS}
+    for k in AUTH_VARS:
+        if values.get(k) is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = values[k]
+    Config.initialize("")                       # the mode first, then the token (Ray's order)
+    AuthenticationTokenLoader.instance().reset_cache()
+    return before
 
 
 def watch_cluster(address: str) -> threading.Event:
@@ -282,10 +314,12 @@ def unpack(bucket: list[Entry], buf: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def group(host: str, port: int, rank: int) -> "torch.distributed.ProcessGroupGloo":
-    """Rank ``rank`` of a gloo group of two whose store is at host:port (rank 0 serves it)."""
+    """Rank ``rank`` of a gloo group of two whose store is at host:port (rank 0 serves it, on
+    ``host`` alone: a TCPStore's own socket would listen on every interface)."""
     import torch.distributed as dist
+    listen = socket.create_server((host, port)).detach() if rank == 0 else None
     store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=GROUP_TIMEOUT,
-                          wait_for_workers=False)
+                          wait_for_workers=False, master_listen_fd=listen)
     return dist.ProcessGroupGloo(store, rank, 2, GROUP_TIMEOUT)
 
 
@@ -370,7 +404,7 @@ class RayEngine(engines.Engine):
         self.always_logprobs, self.own_kernels = inner.always_logprobs, inner.own_kernels
         self.default_correction = inner.default_correction
         self.pad_id = tokenizer.pad_token_id
-        self.cluster, self.watch = None, None
+        self.cluster, self.watch, self.auth = None, None, None
         self.connect()
         self.weights: Mapping[str, torch.Tensor] = model.state_dict()
         """The weights a replaced generator is sent: those of the last ``update_weights``."""
@@ -390,6 +424,7 @@ class RayEngine(engines.Engine):
         spec = self.spec
         if spec.address is None:
             self.cluster = LocalCluster(spec.generators * spec.cpus, spec.generators * spec.gpus)
+            self.auth = set_auth(token_env({}, self.cluster.token))   # restored by close
         address = spec.address or self.cluster.address
         try:
             self.ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
@@ -526,6 +561,9 @@ class RayEngine(engines.Engine):
             self.watch.set()                    # the cluster goes now: no longer a fault
         if self.ray.is_initialized():
             self.ray.shutdown()
+        if self.auth is not None:               # after the shutdown: no thread reads the token
+            set_auth(self.auth)
+            self.auth = None
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
