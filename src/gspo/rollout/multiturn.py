@@ -16,6 +16,8 @@ observation's ids are appended, or the row ends. How a row ends (``Row.end``):
 * ``budget``: the observation, or the next turn, does not fit ``max_total_tokens`` (policy +
   environment tokens after the prompt) or the observation exceeds ``max_observation_tokens``; the
   observation is not appended.
+* ``env_error``: a user's environment failed at this closed turn under ``multiturn.on_env_error:
+  end`` (``gspo.envs.guard``): the row keeps its turns so far and is scored as any other.
 
 The masks, by construction: ``policy`` 1 on every sampled token (each turn's end-of-turn token
 included), 0 on observation tokens; every real token attends. Log-probs are the sampler's on
@@ -36,7 +38,7 @@ from gspo.rollout.generate import RolloutBatch
 from gspo.rollout.turns import observation_ids
 from gspo.tasks import Example
 
-ENDS = ("done", "no_eos", "turns", "budget")
+ENDS = ("done", "no_eos", "turns", "budget", "env_error")
 
 Sampler = Callable[[list[list[int]], list[int], list[int]], list[tuple[list[int], list[float]]]]
 """sample(contexts, max_new, rows) -> per context (sampled ids, their log-probs): one turn each,
@@ -130,6 +132,8 @@ def take_turn(row: Row, env: Environment, ids: list[int], logp: list[float],
     row.info.update(reply.info)
     if not ended:
         row.end = "no_eos"
+    elif reply.error is not None:               # a user's environment failed (gspo.envs.guard)
+        row.end = "env_error"
     elif reply.observation is None:
         row.end = "done"
     elif last:
@@ -320,6 +324,9 @@ class ToolLoop:
     metrics: dict = field(default_factory=dict)
     runner: object = None
     """The tools' runner the environments share (closed at the end of the run), if any."""
+    demonstration_env: Callable[[Example], Environment] | None = None
+    """The environments of the cold start's demonstrations (default ``make_env``): a user's
+    environment under ``on_env_error=fail`` whatever the run's setting."""
 
     def close(self) -> None:
         if self.runner is not None:
@@ -341,7 +348,8 @@ class ToolLoop:
         prompts = [tokenizer(ex.prompt)["input_ids"] for ex in examples]
         turns = [ex.data.get("turns") or [ex.answer] for ex in examples]
         encode, decode = codec(tokenizer)
-        rows = demonstrations(prompts, turns, [self.make_env(ex) for ex in examples],
+        make_env = self.demonstration_env or self.make_env
+        rows = demonstrations(prompts, turns, [make_env(ex) for ex in examples],
                               observer(tokenizer), encode, decode, tokenizer.eos_token_id, self.budgets)
         batch = to_tensors(rows, tokenizer.pad_token_id)
         batch.update(completions=[r.final_turn for r in rows], examples=list(examples))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gspo import envs
+from gspo.envs.guard import Guard
 from gspo.envs.tools import ToolRunner
 from gspo.rewards.sandbox import Limits
 from gspo.rollout.episodes import SingleTurn
@@ -35,13 +36,21 @@ class EnvFactory:
         return envs.build(self.name, example, **self.params)
 
 
-def build_episode(cfg):
-    """``SingleTurn`` when ``multiturn.env`` is None, else a ``ToolLoop`` over its environment."""
+def build_episode(cfg, task=None):
+    """``SingleTurn`` when ``multiturn.env`` is None, else a ``ToolLoop`` over its environment.
+    A user's (module:Class) runs under ``Guard`` (multiturn.on_env_error, env_timeout_s), its
+    demonstrations strictly; with ``task``, one is built for its first training example now, so
+    a constructor that fails is one line at set-up (EnvError)."""
     m = cfg.multiturn
     if m.env is None:
         return SingleTurn()
-    runner = tool_runner(cfg)
-    params = {"runner": runner, "call_format": m.call_format} if m.env == "tools" else dict(m.params)
     budgets = Budgets(max_turns=m.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
                       max_total_tokens=m.max_total_tokens, max_observation_tokens=m.max_observation_tokens)
+    if ":" in m.env:                                    # user code: guarded
+        guard = Guard(m.env, dict(m.params), timeout_s=m.env_timeout_s, on_error=m.on_env_error)
+        for example in task.split("train")[:1] if task is not None else []:
+            guard.strict()(example)                     # EnvError now, not at step 1
+        return ToolLoop(guard, budgets, demonstration_env=guard.strict())
+    runner = tool_runner(cfg)
+    params = {"runner": runner, "call_format": m.call_format} if m.env == "tools" else dict(m.params)
     return ToolLoop(EnvFactory(m.env, params), budgets, runner=runner)

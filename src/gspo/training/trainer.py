@@ -68,7 +68,7 @@ class Trainer:
         self.val_set = [] if self.dist.enabled and cfg.dist.strategy == "fsdp" else \
             selection_examples(self.task, cfg)     # []: no best checkpoint (fsdp: not gathered)
         self.rewards = isolated_rewards(cfg.rewards, self.task)
-        self.episode = build_episode(cfg)           # single turn, or multiturn's tool loop
+        self.episode = build_episode(cfg, self.task)  # single turn, or multiturn's tool loop
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
