@@ -300,10 +300,11 @@ def test_under_end_a_failing_user_environment_ends_the_episode_counted(env_modul
                         lambda ids: "".join(map(chr, ids)), 0,
                         Budgets(max_turns=2, max_new_tokens=4, max_total_tokens=20))
     assert [r.end for r in rows] == ["env_error", "turns"] and len(rows[0].turns) == 1
-    assert episode_metrics(rows)["multiturn/end_env_error"] == 0.5
+    metrics = episode_metrics(rows)
+    assert metrics["multiturn/end_env_error"] == 0.5 and metrics["multiturn/env_errors_mean"] == 0.5
     warned = capsys.readouterr().err.strip()
     said = line(name, where, error).replace("'go'", "'A'")                 # this turn's text: A
-    assert warned == f"warning: {said}; the episode ends (multiturn/end_env_error)"
+    assert warned == f"warning: {said}; the episode ends (multiturn/env_errors_mean)"
 
 
 def test_a_guarded_environment_answers_as_its_own_and_passes_a_user_error_on(env_module):

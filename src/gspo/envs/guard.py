@@ -13,7 +13,7 @@ A user's environment fails when its constructor or ``step`` raises, does not ret
 * ``fail``: ``EnvError``, one line naming the environment, the example and the error (exit 2).
   A cold start's demonstrations and the set-up's check (``strict``) always fail this way;
 * ``end``: the episode ends at that turn (``Reply.error`` says why; the rollout loop ends the row
-  ``env_error``, counted in ``multiturn/end_env_error``); the first few are printed, all counted.
+  ``env_error`` and counts it in ``multiturn/env_errors_mean``); the first few are printed.
 
 A ``UserError`` the environment raises (a tool under ``on_tool_error: fail``) stops the run as it
 is. This module does not guard the built-in environments (their faults are gspo's bugs), does not
@@ -84,7 +84,7 @@ class Guard:
         self.logged += 1
         if self.logged <= MAX_LOGGED:
             last = " (further failures are only counted)" if self.logged == MAX_LOGGED else ""
-            print(f"warning: {what}; the episode ends (multiturn/end_env_error){last}",
+            print(f"warning: {what}; the episode ends (multiturn/env_errors_mean){last}",
                   file=sys.stderr)
         return what
 
