@@ -2,12 +2,12 @@
 machine, in runs: s = 0 is the colocated run (metrics and weights), a killed generator replaced
 with nothing lost, s = 1 the colocated asynchronous run; a SIGKILLed trainer leaves no process
 behind, a finished one neither, a lost cluster ends the run in one line; bad input is one line,
-exit 2, before training. The engine alone (bit-equal syncs, shards, a killed generator):
-tests/rollout/test_ray_engine.py.
+exit 2, before training; every server of the cluster refuses a client without the run's token.
+The engine alone (bit-equal syncs, shards, a killed generator): tests/rollout/test_ray_engine.py.
 
-Each cluster start costs seconds (``ray start``, actors importing torch and transformers). Ray's
-token authentication is off for the session (no ~/.ray/auth_token written); a local cluster
-lives in /tmp/gspo-ray-*, removed when it stops."""
+Each cluster start costs seconds (``ray start``, actors importing torch and transformers). A
+test's own ``ray.init`` runs without token authentication (no ~/.ray/auth_token written); a
+local cluster uses its run's token and lives in /tmp/gspo-ray-*, removed when it stops."""
 
 import importlib.util
 import os
