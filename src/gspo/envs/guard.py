@@ -127,7 +127,8 @@ def checked(reply) -> Reply:
     if reply.observation is not None and not isinstance(reply.observation, Observation):
         raise RewardFault(f"step returned a Reply whose observation is "
                           f"{type(reply.observation).__name__}, expected gspo.envs.Observation or None")
-    if not (type(reply.tool_calls) is int and type(reply.tool_errors) is int and isinstance(reply.info, dict)):
+    counts = (reply.tool_calls, reply.tool_errors)
+    if not (all(type(c) is int for c in counts) and isinstance(reply.info, dict)):
         raise RewardFault("step returned a Reply whose tool_calls / tool_errors are not int or "
                           "whose info is not a dict")
     return reply
