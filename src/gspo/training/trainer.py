@@ -65,7 +65,7 @@ class Trainer:
         self.val_set = [] if self.dist.enabled and cfg.dist.strategy == "fsdp" else \
             selection_examples(self.task, cfg)     # []: no best checkpoint (fsdp: not gathered)
         self.rewards = isolated_rewards(cfg.rewards, self.task)
-        self.episode = episodes.build(cfg.rollout.episode, cfg)   # single turn, tool loop...
+        self.episode = episodes.build(cfg.rollout.episode, cfg, self.task)   # single turn, tool loop...
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
