@@ -64,6 +64,8 @@ class Reply:
     """Of them, the ones that failed (raised, hung, exceeded a limit, could not be parsed)."""
     info: dict = field(default_factory=dict)
     """Anything else to keep with the trajectory (e.g. the calls, for reward functions)."""
+    error: str | None = None
+    """Set by ``gspo.envs.guard`` only: the environment failed (why, one line); the episode ends."""
 
 
 @runtime_checkable

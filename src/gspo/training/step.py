@@ -33,14 +33,13 @@ from torch import Tensor
 
 from gspo.config import TrainConfig
 from gspo.core import objectives
-from gspo.core.plan import (UpdatePlan, computed_tokens, live_rows, plan_update,
+from gspo.core.plan import (UpdatePlan, computed_tokens, live_rows, minibatch_seed, plan_update,
                             token_microbatches)
 from gspo.core.trajectory import dropped_rows, scored_mask
 from gspo.observe import diagnostics
 from gspo.observe.records import UpdateRecord
 from gspo.observe.timing import StepTimer, breakdown
 from gspo.rewards.isolation import correct_all
-from gspo.rollout.collect import minibatch_seed
 from gspo.rollout.generate import RolloutBatch
 from gspo.training import lora
 from gspo.training.algorithms import Algorithm
@@ -85,7 +84,7 @@ class Audit(Protocol):
                new_logprobs: Callable, seeds: dict) -> None: ...
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RLStep:
     """Runs RL step ``step`` (0-based) on the policy and returns its metrics row."""
     cfg: TrainConfig
