@@ -235,6 +235,44 @@ def cmd_report(args) -> int:
 
 
 # --------------------------------------------------------------------------------- parser
+def config_fields_help(width: int) -> str:
+    """Every config field of ``gspo train`` as ``key=default`` and its one-line docstring,
+    grouped by section and wrapped to ``width`` (the tail of ``gspo train --help``)."""
+    import textwrap
+    from gspo.config.reference import field_docs, section_docs
+    sections, col = section_docs(), 34
+    lines = textwrap.wrap("config fields (YAML keys, or key=value overrides on the command "
+                          "line; explained in docs/*.md):", width)
+    current = None
+    for key, default, doc in field_docs():
+        section, _, rest = key.partition(".")
+        if not rest:
+            section, rest = "", key
+        if section != current:
+            current = section
+            head = f"{section}: {sections.get(section, '')}" if section else "top level:"
+            lines += [""] + textwrap.wrap(head, width, subsequent_indent="  ")
+        left = f"  {rest}={default}" if default else f"  {rest}"
+        body = textwrap.wrap(doc, max(width - col, 30)) or [""]
+        if len(left) >= col - 1:
+            lines += [left] + [" " * col + b for b in body]
+        else:
+            lines += [left.ljust(col) + body[0]] + [" " * col + b for b in body[1:]]
+    return "\n".join(lines) + "\n"
+
+
+class ConfigHelpParser(argparse.ArgumentParser):
+    """A command's parser whose --help ends with the config fields (imported only then, so that
+    ``gspo --help`` stays light)."""
+
+    def format_help(self) -> str:
+        import shutil
+        text = super().format_help()
+        if not getattr(self, "lists_config", False):
+            return text
+        return f"{text}\n{config_fields_help(min(shutil.get_terminal_size().columns, 120))}"
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML config (default: the main job, "
                    "the package's copy of configs/default.yaml)")
@@ -244,13 +282,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gspo", description="GSPO and friends: RL of language models with verifiable rewards.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ConfigHelpParser)
     p = sub.add_parser("train", help="cold start (SFT) then RL, with held-out evaluation",
                        description="Train a policy: SFT cold start (cached), then RL with the "
                                    "configured objective. Example: gspo train configs/default.yaml "
                                    "objective.name=grpo seed=1")
     _add_config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.lists_config = True
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("sft", help="only the cold-start SFT stage (cached by config)",
                        description="Run (or reuse) the cold-start SFT and print where it is.")
