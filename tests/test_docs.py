@@ -134,5 +134,6 @@ def test_history_patterns_spare_plain_text(line):
 def test_train_help_lists_config_fields():
     from gspo.cli import config_fields_help
     text = config_fields_help(100)
-    assert "rollout.engine" not in text and "  engine=hf" in text   # grouped by section
+    assert "\nrollout:" in text and "\n  engine=hf " in text         # grouped by section
+    assert not re.search(r"^\s+rollout\.engine=", text, re.M)
     assert max(len(line) for line in text.splitlines()) <= 100
