@@ -34,7 +34,7 @@ class TrainLoopConfig(Section):
     minibatches: int = Field(4, ge=1)
     """M: optimizer steps per rollout batch (the paper uses 4)."""
     minibatch_by: Literal["groups", "rows"] = "groups"
-    """How the batch is dealt into the M minibatches: groups (whole groups) | rows (single responses); docs/performance.md."""
+    """How the batch is dealt into the M minibatches: groups (whole groups) | rows (single responses); docs/results/performance/speed-paths.md."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     warmup_steps: int = Field(0, ge=0)
@@ -68,7 +68,7 @@ class TrainLoopConfig(Section):
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Rollout-mismatch correction (off by default): see its mode."""
     skip_zero_advantage: bool = True
-    """Skip forward/backward of rows with Â = 0 or an empty mask (their loss is 0); docs/performance.md."""
+    """Skip forward/backward of rows with Â = 0 or an empty mask (their loss is 0); docs/results/performance/speed-paths.md."""
 
 
 class DistConfig(Section):

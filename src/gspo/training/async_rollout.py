@@ -143,7 +143,7 @@ class Proximal:
 
 def proximal_from_worker(cfg) -> bool:
     """rollout.async_ratio=decoupled with a recomputed π_old: the worker computes π_prox of each
-    stale batch's later minibatches while the trainer runs the first (docs/performance.md)."""
+    stale batch's later minibatches while the trainer runs the first (docs/results/performance/async.md)."""
     return cfg.rollout.async_ratio == "decoupled" and cfg.train.old_logprobs == "recompute"
 
 
