@@ -217,7 +217,7 @@ def cmd_audit(args) -> int:
     if not Path(args.run_dir).is_dir():
         raise UserError(f"{args.run_dir}: no such run folder")
     run_cfg = Path(args.run_dir) / "config.yaml"
-    if run_cfg.is_file():  # the run's objective under today's registry vs the one it recorded
+    if run_cfg.is_file():  # the run's objective under the present registry vs the one it recorded
         now = provenance.collect(load_config(run_cfg), command="audit", device="cpu")  # audits: CPU
         provenance.check(args.run_dir, now, action="audit", warn=_warn)
     tol = Tolerances(logp=args.tol, ratio=args.tol) if args.tol is not None else Tolerances()

@@ -56,7 +56,7 @@ class TaskConfig(Section):
 
 class RewardSpec(Section):
     type: str = "verifier"
-    """Reward source: verifier | function | model | math | think_format (docs/real-models.md)."""
+    """Reward source: verifier | function | model | math | think_format | env (the environment's reward); docs/real-models.md."""
     weight: float = 1.0
     """Weight of this source in the summed reward."""
     fn: str | None = None

@@ -117,7 +117,7 @@ def build(name: str, example: Example, **params) -> Environment:
 
 @register("single")
 class SingleTurn:
-    """The trivial episode: done after the policy's first turn (today's single-turn rollouts)."""
+    """The trivial episode: done after the policy's first turn (the single-turn rollouts)."""
 
     def __init__(self, example: Example):
         self.example = example
