@@ -27,7 +27,7 @@ CODE = re.compile(r"`[^`\n]*`")
 # statement of what is true never matches it. A dated record keeps its date and commit.
 HISTORY = [r"\bsessions? \d+", r"\bin (this|that|an earlier|a later) session\b",
            r"\b(this|that|last|previous|next) round\b", r"\bearlier figures\b",
-           r"\(issues? #?\d+", r"\bissues? #?\d+\)", r"\bmeasured in session\b"]
+           r"\bissues? #?\d+\b", r"\bmeasured in session\b"]   # an upstream bug: link its URL
 HISTORY_RE = re.compile("|".join(HISTORY), re.I)
 
 
@@ -120,7 +120,7 @@ def test_no_history_wording():
 
 
 @pytest.mark.parametrize("line", ["Measured in session 8, after ...", "Reliability, this round",
-                                  "(earlier figures: 40 s)", "a fix (issue 32)"])
+                                  "(earlier figures: 40 s)", "a fix (issue 32)", "issue #10's work"])
 def test_history_patterns_match(line):
     assert HISTORY_RE.search(line)
 
