@@ -64,19 +64,18 @@ def test_router_noise_changes_only_routers_and_routing():
     assert mech.router_noise(model, 0.0, seed=0).state_dict().keys() == model.state_dict().keys()
 
 
-def test_growth_verdict_by_hand():
-    # grpo's snr falls by 2x (seeds 2.0, 2.2 -> mean 2.1 ± 0.14), gspo's by 1.0-1.1 (1.05 ± 0.07):
-    # the gap 1.05 exceeds the spread 0.21 -> 'yes'. Swapped -> the opposite.
-    def row(seed, level, grpo, gspo):
-        return {"seed": seed, "level": level, "grpo": {"snr": grpo}, "gspo": {"snr": gspo}}
-    low = [row(0, 0, 2.0, 1.0), row(1, 0, 2.2, 1.1)]
-    high = [row(0, 8, 1.0, 1.0), row(1, 8, 1.0, 1.0)]
-    g = mech.growth_verdict(low, high)
-    assert g["grpo"]["mean"] == pytest.approx(2.1) and g["gspo"]["mean"] == pytest.approx(1.05)
-    assert g["verdict"] == "yes"
-    assert mech.growth_verdict(low, high, token="gspo", sequence="grpo")["verdict"] == "no (the opposite)"
-    assert mech.noise_gap(row(0, 0, 2.0, 1.0)) == 0.5
-    assert mech.noise_gap(row(0, 0, 0.0, 1.0)) is None
+def test_gap_verdict_by_hand():
+    # Paired gaps snr(gspo)/snr(grpo) of 1.5 and 1.7: mean 1.6, std 0.1414; 1.6 - 1 > 0.1414 -> 'yes'.
+    # Gaps 0.5 and 0.7 -> 'no (the opposite)'; 0.9 and 1.3 (mean 1.1 ± 0.28) -> within the spread.
+    def row(seed, grpo, gspo):
+        return {"seed": seed, "axis": "steps", "level": 8, "grpo": {"snr": grpo}, "gspo": {"snr": gspo}}
+    yes = mech.gap_verdict([row(0, 1.0, 1.5), row(1, 1.0, 1.7)])
+    assert yes["gap"]["mean"] == pytest.approx(1.6) and yes["gap"]["std"] == pytest.approx(0.02 ** 0.5)
+    assert yes["verdict"] == "yes"
+    assert mech.gap_verdict([row(0, 2.0, 1.0), row(1, 1.0, 0.7)])["verdict"] == "no (the opposite)"
+    assert mech.gap_verdict([row(0, 1.0, 0.9), row(1, 1.0, 1.3)])["verdict"] == "within the seed spread"
+    assert mech.noise_gap(row(0, 0.0, 1.0)) is None
+    assert mech.verdicts([row(0, 1.0, 1.5), row(1, 1.0, 1.7)])[0].endswith("**yes**")
 
 
 def test_gspo_mechanism_on_a_checkpoint(micro, tmp_path, reward_module):
@@ -89,5 +88,5 @@ def test_gspo_mechanism_on_a_checkpoint(micro, tmp_path, reward_module):
     assert main(["mechanism", str(ckpt), "--config", str(tmp_path / "c.yaml"), "--seeds", "2",
                  "--prompts", "2", "--out", str(out)]) == 0
     table = (out / "mechanism.md").read_text()
-    assert "| steps | 8 | no | 2 |" in table
+    assert "| steps | 8 | no | 2 |" in table and "* steps = 8: snr gspo / snr grpo" in table
     assert main(["mechanism", str(tmp_path / "nowhere")]) == 2

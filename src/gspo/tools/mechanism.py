@@ -346,22 +346,33 @@ def noise_gap(row: dict, token: str = "grpo", sequence: str = "gspo") -> float |
     return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else None
 
 
-def growth_verdict(low: list[dict], high: list[dict], token: str = "grpo",
-                   sequence: str = "gspo") -> dict:
-    """Does the token-level estimate lose more signal-to-noise from `low` to `high` than the
-    sequence-level one? Per seed, the loss factor snr(low)/snr(high) of each; verdict as in
-    `gspo compare`: 'yes' when token's mean exceeds sequence's by more than the seeds' spread
-    (std_a + std_b), 'no (opposite)' when the reverse, else 'within the seed spread'."""
-    by_seed = {r["seed"]: r for r in high}
-    loss = {name: [] for name in (token, sequence)}
-    for r in low:
-        h = by_seed.get(r["seed"])
-        for name in loss:
-            if h is not None and h[name]["snr"] > 0 and math.isfinite(r[name]["snr"]):
-                loss[name].append(r[name]["snr"] / h[name]["snr"])
-    a, b = mean_std(loss[token]), mean_std(loss[sequence])
-    word = {"better": "yes", "worse": "no (the opposite)", "within": "within the seed spread"}
-    return {token: a, sequence: b, "verdict": word[compare_means(a, b)]}
+VERDICT_WORDS = {"better": "yes", "worse": "no (the opposite)", "within": "within the seed spread"}
+"""compare_means' outcome as an answer to "is the token-level estimate the noisier one?"."""
+EXACT_ONE = {"mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0, "n": 2}
+"""The gap on-policy: every ratio is 1, every objective has the same gradient (std 0)."""
+
+
+def gap_verdict(rows: list[dict], token: str = "grpo", sequence: str = "gspo") -> dict:
+    """Is the token-level estimate noisier than the sequence-level one on these rows (one cell,
+    one row a seed)? The per-seed gap snr(sequence)/snr(token) is paired on the same batch and
+    the same π_θ; on-policy it is exactly 1. Verdict as in `gspo compare`: 'yes' when its mean
+    exceeds 1 by more than its seed std, 'no (the opposite)' when it is below 1 by more."""
+    gap = mean_std([noise_gap(r, token, sequence) for r in rows])
+    return {"gap": gap, "verdict": VERDICT_WORDS[compare_means(gap, EXACT_ONE)]}
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """One line per axis: the gap at its farthest level (and with and without replay)."""
+    lines = []
+    for (axis, level, replay), rs in sorted(cells(rows).items()):
+        top = max(r["level"] for r in rows if r["axis"] == axis)
+        if level != top:
+            continue
+        v = gap_verdict(rs)
+        where = f"{axis} = {level:g}" + (f", {'with' if replay else 'without'} replay" if axis == "routing" else "")
+        lines.append(f"* {where}: snr gspo / snr grpo = {pm(v['gap'], '.3g')}; token-level noisier "
+                     f"beyond the seed spread? **{v['verdict']}**")
+    return lines
 
 
 def write(results: dict, out: str | Path) -> Path:
@@ -369,7 +380,8 @@ def write(results: dict, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mechanism.json").write_text(json.dumps(results, indent=1))
-    (out / "mechanism.md").write_text("\n".join(table(results["rows"])) + "\n")
+    lines = [*table(results["rows"]), "", *verdicts(results["rows"])]
+    (out / "mechanism.md").write_text("\n".join(lines) + "\n")
     return out / "mechanism.md"
 
 
