@@ -3,7 +3,7 @@ response length, off-policy degree and routing change faster than the sequence-l
 
 Cells (each the cold start of an existing job, cached by `gspo sft`; 5 seeds = 5 sampled batches):
     short    configs/default.yaml           tiny-dense, answers of ~4 tokens (budget 8)
-    medium   configs/long.yaml              tiny-dense, ~50 tokens (budget 96)
+    medium   configs/long.yaml              tiny-dense, ~50 tokens (budget 96; 300 SFT steps)
     long     configs/long.yaml, 8-14 terms  tiny-dense, ~90 tokens (budget 144; 300 SFT steps)
     tiny-moe configs/moe.yaml               routing axis: 8 experts, top-2
     wide-moe configs/moe.yaml wide-moe      routing axis: 64 experts, top-8
@@ -37,7 +37,7 @@ LONG = ["task.params.min_terms=8", "task.params.max_terms=14", "task.params.flaw
         "rollout.max_new_tokens=144", "sft.steps=300"]
 CELLS = {  # name -> (config, overrides, axes)
     "short": ("configs/default.yaml", [], ("steps",)),
-    "medium": ("configs/long.yaml", [], ("steps",)),
+    "medium": ("configs/long.yaml", ["sft.steps=300"], ("steps",)),
     "long": ("configs/long.yaml", LONG, ("steps",)),
     "tiny-moe": ("configs/moe.yaml", [], ("routing",)),
     "wide-moe": ("configs/moe.yaml", ["model.preset=wide-moe"], ("routing",)),
