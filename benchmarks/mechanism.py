@@ -70,9 +70,13 @@ def rows_at(cell: dict, axis: str, level, replay: bool = False) -> list[dict]:
             and r.get("replay", False) == replay]
 
 
-def gap_stat(rows: list[dict]) -> dict:
-    """mean_std over seeds of snr(gspo)/snr(grpo) (above 1: the token-level estimate is noisier)."""
-    return mean_std([mech.noise_gap(r) for r in rows])
+PAIRS = {"at the paper clip": ("grpo", "gspo"), "without a clip": mech.PAIR_NO_CLIP}
+"""(token-level, sequence-level) objectives compared: as trained, and the weights alone."""
+
+
+def gap_stat(rows: list[dict], pair: tuple[str, str] = ("grpo", "gspo")) -> dict:
+    """mean_std over seeds of snr(sequence)/snr(token) (above 1: the token-level one is noisier)."""
+    return mean_std([mech.noise_gap(r, *pair) for r in rows])
 
 
 def dispersion_ratio(rows: list[dict]) -> dict:
@@ -85,6 +89,52 @@ def dispersion_ratio(rows: list[dict]) -> dict:
 def verdict_word(a: dict, b: dict) -> str:
     return {"better": "yes", "worse": "no (the opposite)", "within": "within the seed spread"}[
         compare_means(a, b)]
+
+
+def claims(cells: dict, what: str, pair: tuple[str, str]) -> list[str]:
+    """The verdict lines for one (token-level, sequence-level) pair."""
+    lines, gap = [], lambda rows: mech.gap_verdict(rows, *pair)
+    for name in (n for n in LENGTHS if n in cells):
+        gaps = {k: gap(rows_at(cells[name], "steps", k)) for k in (1, 2, 4, 8)}
+        lines.append(f"* Off-policy degree, {name}, {what}: snr {pair[1]} / snr {pair[0]} at k = 1, 2, "
+                     "4, 8: " + ", ".join(pm(g["gap"], ".3g") for g in gaps.values())
+                     + f" (exactly 1 at k = 0). Token-level noisier at k = 8 beyond the seed spread? "
+                     f"**{gaps[8]['verdict']}**")
+    if "short" in cells and "long" in cells:
+        for k in (1, 8):
+            a = gap_stat(rows_at(cells["long"], "steps", k), pair)
+            b = gap_stat(rows_at(cells["short"], "steps", k), pair)
+            lines.append(f"* Length, k = {k}, {what}: snr {pair[1]} / snr {pair[0]} larger at the long "
+                         f"than at the short job? **{verdict_word(a, b)}** (long {pm(a, '.3g')}, "
+                         f"short {pm(b, '.3g')}).")
+    for name in (n for n in MOES if n in cells):
+        for replay in (False, True):
+            gaps = {lv: gap(rows_at(cells[name], "routing", lv, replay)) for lv in mech.ROUTING[1:]}
+            lines.append(f"* Routing change, {name}, {'with' if replay else 'without'} replay, {what}: "
+                         f"snr {pair[1]} / snr {pair[0]} at 5, 10, 20, 30% changed: "
+                         + ", ".join(pm(g["gap"], ".3g") for g in gaps.values())
+                         + f". Token-level noisier at 30% beyond the seed spread? "
+                         f"**{gaps[0.3]['verdict']}**")
+    return lines
+
+
+def dispersion_claims(cells: dict) -> list[str]:
+    """The ratio-dispersion verdict lines: token spread / sequence deviation against length and
+    routing change."""
+    lines = []
+    if "short" in cells and "long" in cells:
+        a, b = (dispersion_ratio(rows_at(cells["long"], "steps", 8)),
+                dispersion_ratio(rows_at(cells["short"], "steps", 8)))
+        lines.append(f"* Length, ratio dispersion at k = 8: token spread / sequence deviation larger "
+                     f"at the long than at the short job? **{verdict_word(a, b)}** (long {pm(a, '.3g')}, "
+                     f"short {pm(b, '.3g')}).")
+    for name in (n for n in MOES if n in cells):
+        a = dispersion_ratio(rows_at(cells[name], "routing", 0.3))
+        b = dispersion_ratio(rows_at(cells[name], "routing", 0.05))
+        lines.append(f"* Routing change, {name}, ratio dispersion without replay: token spread / "
+                     f"sequence deviation larger at 30% than at 5%? **{verdict_word(a, b)}** "
+                     f"(30%: {pm(a, '.3g')}, 5%: {pm(b, '.3g')}).")
+    return lines
 
 
 def report(out: Path) -> str:
@@ -103,35 +153,9 @@ def report(out: Path) -> str:
                   "", f"N = {cell['prompts']} prompts x {cell['group_size']}, mean response length "
                   f"{mech.median_length(cell['rows']):.1f} tokens (median over rows), lr {cell['lr']:g}, "
                   f"cold start: {cell['sft_steps']} SFT steps.", "", *mech.table(cell["rows"]), ""]
-    for name in (n for n in LENGTHS if n in cells):
-        gaps = {k: mech.gap_verdict(rows_at(cells[name], "steps", k)) for k in (1, 2, 4, 8)}
-        verdicts.append(f"* Off-policy degree, {name}: snr gspo / snr grpo at k = 1, 2, 4, 8: "
-                        + ", ".join(pm(g["gap"], ".3g") for g in gaps.values())
-                        + f" (exactly 1 at k = 0). Token-level noisier at k = 8 beyond the seed "
-                        f"spread? **{gaps[8]['verdict']}**")
-    if "short" in cells and "long" in cells:
-        for k in (1, 8):
-            a, b = gap_stat(rows_at(cells["long"], "steps", k)), gap_stat(rows_at(cells["short"], "steps", k))
-            verdicts.append(f"* Length, k = {k}: snr gspo / snr grpo larger at ~90 than at ~4 tokens? "
-                            f"**{verdict_word(a, b)}** (long {pm(a, '.3g')}, short {pm(b, '.3g')}).")
-        a, b = (dispersion_ratio(rows_at(cells["long"], "steps", 8)),
-                dispersion_ratio(rows_at(cells["short"], "steps", 8)))
-        verdicts.append(f"* Length, ratio dispersion at k = 8: token spread / sequence deviation larger "
-                        f"at ~90 than at ~4 tokens? **{verdict_word(a, b)}** (long {pm(a, '.3g')}, "
-                        f"short {pm(b, '.3g')}).")
-    for name in (n for n in MOES if n in cells):
-        for replay in (False, True):
-            gaps = {lv: mech.gap_verdict(rows_at(cells[name], "routing", lv, replay)) for lv in mech.ROUTING[1:]}
-            verdicts.append(f"* Routing change, {name}, {'with' if replay else 'without'} replay: "
-                            f"snr gspo / snr grpo at 5, 10, 20, 30% changed: "
-                            + ", ".join(pm(g["gap"], ".3g") for g in gaps.values())
-                            + f". Token-level noisier at 30% beyond the seed spread? "
-                            f"**{gaps[0.3]['verdict']}**")
-        a = dispersion_ratio(rows_at(cells[name], "routing", 0.3))
-        b = dispersion_ratio(rows_at(cells[name], "routing", 0.05))
-        verdicts.append(f"* Routing change, {name}, ratio dispersion without replay: token spread / "
-                        f"sequence deviation larger at 30% than at 5%? **{verdict_word(a, b)}** "
-                        f"(30%: {pm(a, '.3g')}, 5%: {pm(b, '.3g')}).")
+    for what, pair in PAIRS.items():
+        verdicts += claims(cells, what, pair)
+    verdicts += dispersion_claims(cells)
     lines += ["## Verdicts", "", "Computed as in `gspo compare`: a difference counts when it exceeds "
               "the sum of the two seed standard deviations.", "", *verdicts]
     (out / "report.md").write_text("\n".join(lines) + "\n")

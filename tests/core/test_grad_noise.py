@@ -60,6 +60,10 @@ def test_token_loss_weights_match_the_closed_form_gradients():
     assert c[0].tolist() == pytest.approx([-0.5, -0.5, 0.0], abs=1e-6)
     c, stats = token_loss_weights("gspo", torch.tensor([[0.1, 0.1, 0.0]]), torch.zeros(1, 3), one, m1)
     assert c.abs().sum().item() == 0.0 and stats["clip_frac_seqs"].item() == 1.0
+    # The clip opened (ε_low = 1, ε_high = ∞): the bare weight s_i Â_i/|y_i| = e^0.1/2 per token.
+    c, _ = token_loss_weights("gspo", torch.tensor([[0.1, 0.1, 0.0]]), torch.zeros(1, 3), one, m1,
+                              eps_low=1.0, eps_high=math.inf)
+    assert c[0].tolist() == pytest.approx([-math.exp(0.1) / 2, -math.exp(0.1) / 2, 0.0], abs=1e-6)
 
 
 def test_token_loss_weights_refuse_a_loss_that_does_not_split_by_response():

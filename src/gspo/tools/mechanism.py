@@ -55,7 +55,14 @@ from gspo.tools.compare_stats import compare_means, mean_std, pm
 from gspo.training.checkpoint import list_checkpoints
 
 OBJECTIVES = ("gspo", "grpo", "gspo_token")
-"""Measured by default: the sequence-level ratio, the token-level one, and GSPO-token."""
+"""Measured by default at their paper clip ranges: the sequence-level ratio, the token-level one,
+and GSPO-token."""
+UNCLIPPED = {"gspo_noclip": "gspo", "grpo_noclip": "grpo"}
+"""Also measured: the same weights with the clip opened (ε_low = 1, ε_high = ∞), so that the
+weighting's own noise is seen apart from what the clip removes."""
+NO_CLIP = {"eps_low": 1.0, "eps_high": math.inf}
+PAIR_NO_CLIP = ("grpo_noclip", "gspo_noclip")
+"""(token-level, sequence-level) weights without a clip."""
 STEPS = (0, 1, 2, 4, 8)
 """Off-policy degrees: optimizer steps between the sampler and the measured policy."""
 ROUTING = (0.0, 0.05, 0.10, 0.20, 0.30)
@@ -121,7 +128,8 @@ def sample_probe(model: nn.Module, tokenizer, cfg, *, prompts: int, seed: int) -
 def response_gradients(model: nn.Module, probe: Probe, weights: dict[str, Tensor], *,
                        replay: bool = False) -> dict[str, Tensor]:
     """Per objective [N, D]: g_i = Σ_t c_it ∇θ log π_θ(y_it), one forward per response and one
-    backward per objective (the Jacobian is the same; only c differs)."""
+    backward per distinct weight row (the Jacobian is the same; only c differs: GSPO-token's
+    weights equal GSPO's when Â_it = Â_i, and its gradient is then copied, not recomputed)."""
     params = [p for p in model.parameters() if p.requires_grad]
     N = probe.input_ids.shape[0]
     out = {name: torch.zeros(N, sum(p.numel() for p in params)) for name in weights}
@@ -129,28 +137,36 @@ def response_gradients(model: nn.Module, probe: Probe, weights: dict[str, Tensor
         if probe.response_mask[i].sum() == 0:
             continue
         lp = logprobs(model, probe, slice(i, i + 1), replay=replay, grad=True)   # [1, T]
-        for j, (name, c) in enumerate(weights.items()):
-            if not c[i].any():
-                continue
-            grads = torch.autograd.grad(lp, params, grad_outputs=c[i:i + 1].to(lp.dtype),
-                                        retain_graph=j < len(weights) - 1, allow_unused=True)
-            out[name][i] = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
-                                      for g, p in zip(grads, params)])
+        done: list[str] = []
+        for name, c in weights.items():
+            twin = next((d for d in done if torch.equal(weights[d][i], c[i])), None)
+            if twin is not None:
+                out[name][i] = out[twin][i]
+            elif c[i].any():
+                grads = torch.autograd.grad(lp, params, grad_outputs=c[i:i + 1].to(lp.dtype),
+                                            retain_graph=True, allow_unused=True)
+                out[name][i] = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                                          for g, p in zip(grads, params)])
+            done.append(name)
     return out
 
 
 def measure_state(model: nn.Module, probe: Probe, names: tuple[str, ...] = OBJECTIVES, *,
-                  replay: bool = False, seed: int = 0, draws: int = 256) -> dict:
-    """Every number of one policy state: ratio dispersion, and per objective its clip shares and
-    its minibatch gradient's signal-to-noise and cosine to the full-batch gradient."""
+                  unclipped: dict[str, str] = UNCLIPPED, replay: bool = False, seed: int = 0,
+                  draws: int = 256) -> dict:
+    """Every number of one policy state: ratio dispersion, and per objective (and per `unclipped`
+    variant: name -> objective with the clip opened) its clip shares and its minibatch
+    gradient's signal-to-noise and cosine to the full-batch gradient."""
     logp = logprobs(model, probe, replay=replay)                               # [N, T]
     mask, adv = probe.response_mask, probe.advantages
     row = {"dispersion": _dispersion(logp, probe, names)}
     weights, stats = {}, {}
-    for name in names:
-        weights[name], stats[name] = token_loss_weights(name, logp, probe.old_logp, adv, mask)
+    variants = {**{n: (n, {}) for n in names}, **{v: (n, NO_CLIP) for v, n in unclipped.items()}}
+    for name, (objective, hyper) in variants.items():
+        weights[name], stats[name] = token_loss_weights(objective, logp, probe.old_logp, adv, mask,
+                                                        **hyper)
     grads = response_gradients(model, probe, weights, replay=replay)
-    for name in names:
+    for name in variants:
         noise = minibatch_noise(grads[name], probe.minibatch, draws=draws,
                                 generator=torch.Generator().manual_seed(seed))
         row[name] = {**{k: float(v) for k, v in noise.items()},
@@ -319,7 +335,7 @@ def measure(cfg, model: nn.Module, tokenizer, *, seeds: tuple[int, ...] = (0, 1,
             f"{float(probe.response_mask.sum(-1).mean()):.1f}, B = {probe.minibatch}")
         for axis in axes:
             rows += [{"seed": seed, **r} for r in MOVES.get(axis)(model, probe, cfg, seed=seed, log=log)]
-    return {"objectives": list(OBJECTIVES), "axes": list(axes), "prompts": prompts,
+    return {"objectives": list(OBJECTIVES), "unclipped": UNCLIPPED, "axes": list(axes), "prompts": prompts,
             "group_size": cfg.rollout.group_size, "minibatches": cfg.train.minibatches,
             "lr": cfg.train.lr, "rows": rows}
 
@@ -342,6 +358,8 @@ def stat(rows: list[dict], get: Callable[[dict], float]) -> dict:
 
 def noise_gap(row: dict, token: str = "grpo", sequence: str = "gspo") -> float | None:
     """snr(sequence) / snr(token): above 1 when the token-level estimate is the noisier one."""
+    if sequence not in row or token not in row:
+        return None
     a, b = row[sequence]["snr"], row[token]["snr"]
     return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else None
 
@@ -368,10 +386,11 @@ def verdicts(rows: list[dict]) -> list[str]:
         top = max(r["level"] for r in rows if r["axis"] == axis)
         if level != top:
             continue
-        v = gap_verdict(rs)
         where = f"{axis} = {level:g}" + (f", {'with' if replay else 'without'} replay" if axis == "routing" else "")
-        lines.append(f"* {where}: snr gspo / snr grpo = {pm(v['gap'], '.3g')}; token-level noisier "
-                     f"beyond the seed spread? **{v['verdict']}**")
+        for token, sequence in (("grpo", "gspo"), *[(t, s) for t, s in [PAIR_NO_CLIP] if t in rs[0]]):
+            v = gap_verdict(rs, token, sequence)
+            lines.append(f"* {where}: snr {sequence} / snr {token} = {pm(v['gap'], '.3g')}; "
+                         f"token-level noisier beyond the seed spread? **{v['verdict']}**")
     return lines
 
 
@@ -385,22 +404,29 @@ def write(results: dict, out: str | Path) -> Path:
     return out / "mechanism.md"
 
 
-def table(rows: list[dict], names: tuple[str, ...] = OBJECTIVES) -> list[str]:
-    """One line per cell: mean ± std over seeds of each objective's snr and cosine, the ratio
-    dispersion and the clip shares."""
-    head = ("| axis | level | replay | seeds | "
-            + " | ".join(f"snr {n}" for n in names) + " | "
-            + " | ".join(f"cos {n}" for n in names)
-            + " | token spread | seq dev | tokens out (grpo) | seqs out (gspo) | routing change |")
+def table(rows: list[dict], names: tuple[str, ...] = (*OBJECTIVES, *UNCLIPPED)) -> list[str]:
+    """Two tables, one line per cell (mean ± std over seeds): each objective's snr and cosine;
+    then the ratio dispersion, the band shares and the clip decisions."""
+    key = lambda rs: sorted(cells(rs).items())
+    where = lambda axis, level, replay, rs: (f"| {axis} | {level:g} | {'yes' if replay else 'no'} "
+                                             f"| {len(rs)} |")
+    head = ("| axis | level | replay | seeds | " + " | ".join(f"snr {n}" for n in names) + " | "
+            + " | ".join(f"cos {n}" for n in names) + " |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for (axis, level, replay), rs in sorted(cells(rows).items()):
-        snr = [pm(stat(rs, lambda r, n=n: r[n]["snr"]), ".3g") for n in names]
-        cos = [pm(stat(rs, lambda r, n=n: r[n]["cosine"]), ".3f") for n in names]
-        d = lambda key: pm(stat(rs, lambda r: r["dispersion"][key]), ".3g")
+    for (axis, level, replay), rs in key(rows):
+        snr = [pm(stat(rs, lambda r, n=n: r.get(n, {}).get("snr")), ".3g") for n in names]
+        cos = [pm(stat(rs, lambda r, n=n: r.get(n, {}).get("cosine")), ".3f") for n in names]
+        lines.append(where(axis, level, replay, rs) + " " + " | ".join(snr + cos) + " |")
+    head = ("| axis | level | replay | seeds | token spread | token dev | seq dev | tokens out (grpo) "
+            "| seqs out (gspo) | clipped tokens grpo | clipped seqs gspo | routing change |")
+    lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
+    for (axis, level, replay), rs in key(rows):
+        d = lambda k: pm(stat(rs, lambda r: r["dispersion"][k]), ".3g")
+        c = lambda n, k: pm(stat(rs, lambda r: r[n][k]), ".3g")
         change = pm(stat(rs, lambda r: r.get("routing_change")), ".3f", "–")
-        lines.append(f"| {axis} | {level:g} | {'yes' if replay else 'no'} | {len(rs)} | "
-                     + " | ".join(snr) + " | " + " | ".join(cos) + f" | {d('token_spread')} | "
-                     f"{d('seq_dev')} | {d('token_out/grpo')} | {d('seq_out/gspo')} | {change} |")
+        lines.append(where(axis, level, replay, rs) + f" {d('token_spread')} | {d('token_dev')} | "
+                     f"{d('seq_dev')} | {d('token_out/grpo')} | {d('seq_out/gspo')} | "
+                     f"{c('grpo', 'clip_frac_tokens')} | {c('gspo', 'clip_frac_seqs')} | {change} |")
     return lines
 
 
