@@ -122,10 +122,10 @@ def dispersion_claims(cells: dict) -> list[str]:
     """The ratio-dispersion verdict lines: token spread / sequence deviation against length and
     routing change."""
     lines = []
-    if "short" in cells and "long" in cells:
-        a, b = (dispersion_ratio(rows_at(cells["long"], "steps", 8)),
-                dispersion_ratio(rows_at(cells["short"], "steps", 8)))
-        lines.append(f"* Length, ratio dispersion at k = 8: token spread / sequence deviation larger "
+    for k in (1, 8) if "short" in cells and "long" in cells else ():
+        a, b = (dispersion_ratio(rows_at(cells["long"], "steps", k)),
+                dispersion_ratio(rows_at(cells["short"], "steps", k)))
+        lines.append(f"* Length, ratio dispersion at k = {k}: token spread / sequence deviation larger "
                      f"at the long than at the short job? **{verdict_word(a, b)}** (long {pm(a, '.3g')}, "
                      f"short {pm(b, '.3g')}).")
     for name in (n for n in MOES if n in cells):
