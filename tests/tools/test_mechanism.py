@@ -90,3 +90,20 @@ def test_gspo_mechanism_on_a_checkpoint(micro, tmp_path, reward_module):
     table = (out / "mechanism.md").read_text()
     assert "| steps | 8 | no | 2 |" in table and "* steps = 8: snr gspo / snr grpo" in table
     assert main(["mechanism", str(tmp_path / "nowhere")]) == 2
+
+
+def test_load_target_reads_a_run_folder_and_its_checkpoints(micro, tmp_path):
+    # A run folder: its config.yaml and the newest of checkpoints/step_*; a checkpoint inside it:
+    # the same config, found two folders up; a run folder without checkpoints: a clear error.
+    from gspo.training.checkpoint import checkpoint_dir
+    run = tmp_path / "run"
+    for step in (2, 10):
+        save_model(*micro, checkpoint_dir(run, step))
+    (run / "config.yaml").write_text("rollout: {group_size: 4, max_new_tokens: 5}\n")
+    cfg, model, _ = mech.load_target(run)
+    assert cfg.rollout.max_new_tokens == 5 and not model.training
+    cfg, _, _ = mech.load_target(checkpoint_dir(run, 2), overrides=["rollout.max_new_tokens=6"])
+    assert cfg.rollout.max_new_tokens == 6
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no checkpoints"):
+        mech.load_target(tmp_path / "empty")
