@@ -5,10 +5,11 @@ response's distribution shift and put each token's local fluctuation into the gr
 their noise grows with response length, with how far the policy moved from the sampler, and, in a
 MoE, with how much of its routing changed; the sequence-level ratio (a length-normalised mean of
 the token log-ratios) stays in range. This module holds one sampled batch (a `Probe`) fixed and
-measures, per objective (gspo, grpo, gspo_token at their paper clip ranges):
+measures, per objective (gspo, grpo, gspo_token at their paper clip ranges, and gspo and grpo
+with the clip opened, `UNCLIPPED`, to see the weighting apart from the clip):
 
 * the per-response gradients g_i = Σ_t c_it ∇θ log π_θ(y_it) (one backward per response and
-  objective; c from gspo.core.grad_noise.token_loss_weights), then the signal-to-noise of a
+  distinct weighting; c from gspo.core.grad_noise.token_loss_weights), then the signal-to-noise of a
   minibatch's gradient (B = N / train.minibatches responses) and its cosine to the full-batch one;
 * the token log-ratios' spread within a response against the sequence ratio's deviation, and the
   shares of tokens and responses outside each clip range (gspo.core.grad_noise.ratio_dispersion);
@@ -387,7 +388,8 @@ def verdicts(rows: list[dict]) -> list[str]:
         if level != top:
             continue
         where = f"{axis} = {level:g}" + (f", {'with' if replay else 'without'} replay" if axis == "routing" else "")
-        for token, sequence in (("grpo", "gspo"), *[(t, s) for t, s in [PAIR_NO_CLIP] if t in rs[0]]):
+        pairs = [("grpo", "gspo")] + ([PAIR_NO_CLIP] if PAIR_NO_CLIP[0] in rs[0] else [])
+        for token, sequence in pairs:
             v = gap_verdict(rs, token, sequence)
             lines.append(f"* {where}: snr {sequence} / snr {token} = {pm(v['gap'], '.3g')}; "
                          f"token-level noisier beyond the seed spread? **{v['verdict']}**")
@@ -395,7 +397,7 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 
 def write(results: dict, out: str | Path) -> Path:
-    """OUT/mechanism.json and OUT/mechanism.md (the tables)."""
+    """OUT/mechanism.json and OUT/mechanism.md (the tables and the verdict lines)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mechanism.json").write_text(json.dumps(results, indent=1))
