@@ -9,7 +9,7 @@ gradient estimate behaves. Three pieces:
   tokens and of responses whose ratio lies outside a clip range.
 * `token_loss_weights`: c_it = ∂ℓ_i/∂log π_θ(y_it) of a registered objective, so that the
   gradient of response i is g_i = Σ_t c_it ∇θ log π_θ(y_it); the model's Jacobian is shared by all
-  objectives, only c differs (GSPO: s_i Â_i/|y_i| for every token, Eq. 10; GRPO: r_it Â_i/|y_i|
+  objectives, only c differs (GSPO: −s_i Â_i/|y_i| for every token, Eq. 10; GRPO: −r_it Â_i/|y_i|
   per token, Eq. 11; 0 where clipped).
 * `minibatch_noise`: from per-response gradients g_i [N, D], the signal-to-noise of the gradient
   of a minibatch of B responses drawn without replacement, in closed form over all such draws,
