@@ -1,4 +1,4 @@
-"""Command line: ``gspo train | sft | eval | report | audit | compare``. Thin over the library.
+"""Command line: ``gspo train | sft | eval | report | audit | compare | mechanism``. Thin over the library.
 
 User errors (config, data, unknown names, missing files, unwritable output) are found in a
 preflight phase (``gspo.tools.preflight``), before any model is built: one line, exit 2. Inside
@@ -224,6 +224,25 @@ def cmd_audit(args) -> int:
     return 0 if run_audit(args.run_dir, args.step, tol) else EXIT_MISMATCH
 
 
+def cmd_mechanism(args) -> int:
+    from gspo.tools import mechanism
+    from gspo.tools.preflight import user_input
+    with user_input():  # the run folder / checkpoint and its config are the user's
+        if not Path(args.target).exists():
+            raise UserError(f"{args.target}: no such run folder or checkpoint")
+        if args.seeds < 1 or args.prompts < 1:
+            raise UserError(f"--seeds and --prompts must be >= 1, got {args.seeds}, {args.prompts}")
+        cfg, model, tokenizer = mechanism.load_target(args.target, args.config, args.overrides)
+    axes = tuple(args.axes.split(",")) if args.axes else None
+    results = mechanism.measure(cfg, model, tokenizer, seeds=tuple(range(args.seeds)),
+                                prompts=args.prompts, axes=axes,
+                                log=lambda m: print(m, file=sys.stderr))
+    results["target"] = str(args.target)
+    out = args.out or str(Path(args.target) / "mechanism")
+    print(f"mechanism: {mechanism.write(results, out)}  ({out}/mechanism.json)")
+    return 0
+
+
 def cmd_report(args) -> int:
     from gspo.observe.report import build_report
     from gspo.tools.preflight import user_input
@@ -300,6 +319,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="audit only this recorded step (default: all)")
     p.add_argument("--tol", type=float, help="tolerance on log-probs and ratios (default 1e-4)")
     p.set_defaults(fn=cmd_audit)
+    p = sub.add_parser("mechanism", help="gradient noise of token vs sequence importance weights",
+                       description="Hold a sampled batch of TARGET's policy fixed, move the policy "
+                                   "k optimizer steps (and, on a MoE, change its routing with "
+                                   "router noise), and measure each objective's minibatch gradient "
+                                   "signal-to-noise, its cosine to the full-batch gradient and the "
+                                   "ratio dispersion (docs/mechanism.md). Example: gspo mechanism "
+                                   "runs/default --seeds 5")
+    p.add_argument("target", help="run folder (its config.yaml and latest checkpoint) or checkpoint directory")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the run's config, e.g. rollout.group_size=4")
+    p.add_argument("--config", help="config of a checkpoint outside a run folder (e.g. configs/default.yaml)")
+    p.add_argument("--seeds", type=int, default=5, help="batches 0..K-1, one per seed (default 5)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per batch, each rollout.group_size responses (default 4)")
+    p.add_argument("--axes", help="comma-separated: steps, routing (default: steps, and routing on a MoE)")
+    p.add_argument("--out", help="output folder (default TARGET/mechanism)")
+    p.set_defaults(fn=cmd_mechanism)
     return parser
 
 
