@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoTokenizer
 from gspo import tasks
 from gspo.errors import UserError
 from gspo.rollout.chat import ChatTask
+from gspo.models.hub import local_path
 from gspo.models.presets import preset_config
 from gspo.rewards.isolation import IsolatedTask, isolation_options, sandbox_limits
 from gspo.rewards.sandbox import SandboxedFunction
@@ -47,8 +48,9 @@ def tokenizer_and_context(cfg, train: list[Example] = ()):
     ``task.chat`` its EOS is the chat template's end-of-turn token; a tokenizer without a
     template is a UserError."""
     if cfg.model.path:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
-        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        path = local_path(cfg.model.path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     else:
         tokenizer = preset_tokenizer(cfg.model.tokenizer, list(train), cfg.model.tokenizer_vocab)
         config = preset_config(cfg.model.preset, len(tokenizer), cfg.model.overrides)
