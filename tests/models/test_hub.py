@@ -12,7 +12,7 @@ from conftest import SMALL, parity_rewards
 
 from gspo.cli import main
 from gspo.errors import UserError
-from gspo.models import hub
+from gspo import hub
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -79,3 +79,40 @@ def test_uncached_id_offline_is_one_line_exit_2(hf_cache, tmp_path, capsys, comm
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "'gspo-test/absent'" in err and "HF_HUB_OFFLINE" in err
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ datasets
+def dataset_entry(cache, repo_id: str, rows: dict[str, list[dict]], commit: str = COMMIT):
+    """A dataset repo of one JSONL file per split, in ``cache`` as huggingface_hub stores it."""
+    repo = cache / f"datasets--{repo_id.replace('/', '--')}"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for split, items in rows.items():
+        (snap / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_dataset_task_reads_hub_splits_from_the_cache(tmp_path, monkeypatch):
+    from gspo import tasks
+    cache = tmp_path / "hf"
+    dataset_entry(cache, "gspo-test/qa", {
+        "train": [{"q": "1+1=", "a": "2"}, {"q": "2+2=", "a": "4"}],
+        "test": [{"q": "3+3=", "a": "6"}], "dev": [{"q": "5+5=", "a": "10"}]})
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    task = tasks.build("dataset", dataset="gspo-test/qa", columns={"prompt": "q", "answer": "a"},
+                       splits={"validation": "validation"})  # datasets names dev.jsonl so
+    assert [e.prompt for e in task.split("train")] == ["1+1=", "2+2="]
+    assert [e.answer for e in task.split("test")] == ["6"]
+    assert [e.answer for e in task.split("validation")] == ["10"]
+    assert task.locations["train"] == [("gspo-test/qa[train]", 1), ("gspo-test/qa[train]", 2)]
+    assert hub.cached_revision("gspo-test/qa", "dataset") == COMMIT
+    with pytest.raises(UserError, match="task.dataset: 'gspo-test/absent' is neither"):
+        tasks.build("dataset", dataset="gspo-test/absent")
+
+
+def test_dataset_task_needs_files_or_a_dataset():
+    from gspo import tasks
+    with pytest.raises(ValueError, match="needs task.train_file and task.test_file, or task.dataset"):
+        tasks.build("dataset")

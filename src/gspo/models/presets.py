@@ -36,7 +36,7 @@ from transformers import (
 )
 
 from gspo.errors import UserError
-from gspo.models.hub import local_path
+from gspo.hub import local_path
 from gspo.registry import Registry
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"

@@ -18,7 +18,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-from gspo.models.hub import local_path
+from gspo.hub import local_path
 from gspo.models.presets import reading_checkpoint
 from gspo.registry import Registry
 from gspo.tasks import Example, Task

@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoTokenizer
 from gspo import tasks
 from gspo.errors import UserError
 from gspo.rollout.chat import ChatTask
-from gspo.models.hub import local_path
+from gspo.hub import local_path
 from gspo.models.presets import preset_config
 from gspo.rewards.isolation import IsolatedTask, isolation_options, sandbox_limits
 from gspo.rewards.sandbox import SandboxedFunction
@@ -172,7 +172,7 @@ def eval_examples(task, cfg) -> list[Example]:
 
 
 # Tasks read from files (task.train_file ...) -> the task keys they take besides the common ones.
-FILE_TASKS = {"custom": (), "dataset": ("columns", "chat")}
+FILE_TASKS = {"custom": (), "dataset": ("columns", "chat", "dataset", "dataset_config", "splits")}
 DEFAULT_N_VAL = 200  # validation prompts a built-in task draws when eval.split=validation
 
 

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from gspo.errors import UserError
-from gspo.models.hub import local_path
+from gspo.hub import local_path
 from gspo.models.moe import ROUTER_CLASSES
 from gspo.models.presets import (ADAPTER_CONFIG, adapter_base, build_char_tokenizer, is_adapter_dir,
                                  preset_config)

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from gspo.config import LoRAConfig
-from gspo.models.hub import local_path
+from gspo.hub import local_path
 from gspo.models.presets import save_model
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -13,7 +13,7 @@ A run folder says which code, libraries and hardware made it and which objective
     advantage     the advantage estimator (the algorithm's own description)
     sampling      rollout and evaluation sampling parameters
     config        the resolved config and its SHA-256
-    hub           each hub id the config names (model.path, reward models): the commit of its
+    hub           each hub id the config names (model.path, reward models, task.dataset): the commit of its
                   cached snapshot (null when not cached)
 
 ``gspo train`` writes it when it claims the run folder (rank 0; a resumed run keeps the earlier
@@ -43,7 +43,7 @@ import transformers
 
 import gspo
 from gspo.core import objectives
-from gspo.models import hub
+from gspo import hub
 from gspo.observe.provenance import FILE, code_id, read, sessions, summary, table  # noqa: F401
 from gspo.training import algorithms
 from gspo.errors import UserError
@@ -194,12 +194,16 @@ def advantage_entry(algorithm) -> dict:
 
 
 def hub_entry(cfg) -> dict:
-    """``{key: {"id", "revision"}}`` for each Hugging Face hub id ``cfg`` loads a checkpoint from."""
+    """``{key: {"id", "revision"}}`` for each Hugging Face hub id ``cfg`` loads a checkpoint or dataset from."""
     paths = {"model.path": cfg.model.path}
     paths.update({f"rewards.sources[{i}].path": s.path for i, s in enumerate(cfg.rewards.sources)
                   if s.type == "model"})
-    return {key: {"id": path, "revision": hub.cached_revision(path)}
-            for key, path in paths.items() if hub.is_hub_id(path)}
+    out = {key: {"id": path, "revision": hub.cached_revision(path)}
+           for key, path in paths.items() if hub.is_hub_id(path)}
+    if cfg.task.name == "dataset" and hub.is_hub_id(cfg.task.dataset):
+        out["task.dataset"] = {"id": cfg.task.dataset,
+                               "revision": hub.cached_revision(cfg.task.dataset, "dataset")}
+    return out
 
 
 def config_sha256(config: dict) -> str:
