@@ -46,6 +46,8 @@ class TaskConfig(Section):
     """Render prompts with the tokenizer's chat template (add_generation_prompt): the row's messages, or its prompt as one user turn. The template's end-of-turn token (e.g. <|im_end|>) becomes EOS for generation, the response mask and decoding. Needs a tokenizer with a chat template (model.tokenizer=bpe, or a model.path that has one)."""
     system_prompt: str | None = None
     """chat: a system turn put before every conversation that has none."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """chat: extra variables of the chat template in every rendering (rollouts, SFT, evaluation, tool turns), e.g. {enable_thinking: false} for Qwen3."""
 
     @field_validator("columns")
     @classmethod

@@ -3,7 +3,8 @@
 With ``task.chat: true`` every example's prompt becomes the template's rendering (with
 ``add_generation_prompt``) of its conversation: the row's ``messages`` when it has them (a list
 of ``{role, content}``, e.g. from a dataset file), else one user turn holding its ``prompt``;
-``task.system_prompt`` is put first when the conversation has no system turn. The rendered text is
+``task.system_prompt`` is put first when the conversation has no system turn, and
+``task.chat_template_kwargs`` (e.g. ``enable_thinking``) reach the template. The rendered text is
 what rollouts, SFT and evaluation condition on and what reward functions get as ``prompt``; the
 row's ``messages`` stay in its columns. The answer is unchanged: a demonstration is the answer
 followed by EOS, which under chat is the template's end-of-turn token
@@ -25,19 +26,23 @@ def conversation(example: Example, system_prompt: str | None = None) -> list[dic
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def render(tokenizer, example: Example, system_prompt: str | None = None) -> Example:
-    """The example with its prompt rendered by the chat template, ready for the assistant's turn."""
+def render(tokenizer, example: Example, system_prompt: str | None = None,
+           template_kwargs: dict | None = None) -> Example:
+    """The example with its prompt rendered by the chat template, ready for the assistant's turn
+    (``template_kwargs``: the template's extra variables, e.g. ``enable_thinking``)."""
     text = tokenizer.apply_chat_template(conversation(example, system_prompt), tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **(template_kwargs or {}))
     return replace(example, prompt=text)
 
 
 class ChatTask:
     """A task whose splits hold chat-rendered prompts; scoring is the wrapped task's own."""
 
-    def __init__(self, task, tokenizer, system_prompt: str | None = None):
+    def __init__(self, task, tokenizer, system_prompt: str | None = None,
+                 template_kwargs: dict | None = None):
         self.inner, self.name = task, task.name
         self.tokenizer, self.system_prompt = tokenizer, system_prompt
+        self.template_kwargs = dict(template_kwargs or {})
         self._splits: dict[str, list[Example]] = {}
         for attr in ("locations", "skipped"):  # file tasks: where each row came from
             if hasattr(task, attr):
@@ -45,7 +50,7 @@ class ChatTask:
 
     def split(self, name: str) -> list[Example]:
         if name not in self._splits:
-            self._splits[name] = [render(self.tokenizer, ex, self.system_prompt)
+            self._splits[name] = [render(self.tokenizer, ex, self.system_prompt, self.template_kwargs)
                                   for ex in self.inner.split(name)]
         return list(self._splits[name])
 

@@ -197,5 +197,5 @@ def build_task(cfg) -> CheckedTask:
             raise UserError(f"task.params: {err}") from None
     tokenizer_context = tokenizer_and_context(cfg, task.split("train"))
     if t.chat:
-        task = ChatTask(task, tokenizer_context[0], t.system_prompt)
+        task = ChatTask(task, tokenizer_context[0], t.system_prompt, t.chat_template_kwargs)
     return prepare_task(task, cfg, tokenizer_context=tokenizer_context)

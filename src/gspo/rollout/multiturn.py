@@ -282,9 +282,10 @@ def codec(tokenizer) -> tuple[Callable[[str], list[int]], Callable[[list[int]], 
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def observer(tokenizer) -> Callable[[Observation], list[int]]:
+def observer(tokenizer, template_kwargs: dict | None = None) -> Callable[[Observation], list[int]]:
     """How observations become ids with ``tokenizer``: text encoded as is; messages rendered by its
-    chat template after the policy's end-of-turn token (``gspo.rollout.turns``), refused without one."""
+    chat template (with ``template_kwargs``) after the policy's end-of-turn token
+    (``gspo.rollout.turns``), refused without one."""
     as_text = text_observer(codec(tokenizer)[0])
     has_template = bool(getattr(tokenizer, "chat_template", None))
 
@@ -294,7 +295,8 @@ def observer(tokenizer) -> Callable[[Observation], list[int]]:
         if not has_template:
             raise ValueError("the environment answered chat messages, but the tokenizer has no chat "
                              "template: answer text (e.g. multiturn.call_format=bracket)")
-        return observation_ids(tokenizer, obs.messages, tokenizer.eos_token_id)
+        return observation_ids(tokenizer, obs.messages, tokenizer.eos_token_id,
+                               template_kwargs=template_kwargs)
 
     return observe
 
@@ -320,6 +322,8 @@ class ToolLoop:
     metrics: dict = field(default_factory=dict)
     runner: object = None
     """The tools' runner the environments share (closed at the end of the run), if any."""
+    template_kwargs: dict = field(default_factory=dict)
+    """The chat template's extra variables (``task.chat_template_kwargs``) for tool turns."""
 
     def close(self) -> None:
         if self.runner is not None:
@@ -328,7 +332,8 @@ class ToolLoop:
     def __call__(self, sampler, tokenizer, examples, params, *, group_size, seed,
                  with_logprobs) -> RolloutBatch:
         batch, rows = collect_episodes(sampler, tokenizer, examples, group_size, params,
-                                       self.make_env, observer(tokenizer), self.budgets, seed)
+                                       self.make_env, observer(tokenizer, self.template_kwargs),
+                                       self.budgets, seed)
         self.metrics = episode_metrics(rows)
         out = as_batch(batch, sampler.device)
         if not with_logprobs:   # sampled with them (each turn), handed on only when asked for
@@ -342,7 +347,8 @@ class ToolLoop:
         turns = [ex.data.get("turns") or [ex.answer] for ex in examples]
         encode, decode = codec(tokenizer)
         rows = demonstrations(prompts, turns, [self.make_env(ex) for ex in examples],
-                              observer(tokenizer), encode, decode, tokenizer.eos_token_id, self.budgets)
+                              observer(tokenizer, self.template_kwargs), encode, decode,
+                              tokenizer.eos_token_id, self.budgets)
         batch = to_tensors(rows, tokenizer.pad_token_id)
         batch.update(completions=[r.final_turn for r in rows], examples=list(examples))
         return as_batch(batch, device)

@@ -44,4 +44,5 @@ def build_episode(cfg):
     params = {"runner": runner, "call_format": m.call_format} if m.env == "tools" else dict(m.params)
     budgets = Budgets(max_turns=m.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
                       max_total_tokens=m.max_total_tokens, max_observation_tokens=m.max_observation_tokens)
-    return ToolLoop(EnvFactory(m.env, params), budgets, runner=runner)
+    return ToolLoop(EnvFactory(m.env, params), budgets, runner=runner,
+                    template_kwargs=dict(cfg.task.chat_template_kwargs))

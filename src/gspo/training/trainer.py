@@ -82,7 +82,8 @@ class Trainer:
             self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
                                                                         self.progress, self.episode)
         if cfg.multiturn.env is not None and getattr(self.tokenizer, "chat_template", None):
-            check_template(self.tokenizer, self.tokenizer.eos_token_id)   # refused in one line
+            check_template(self.tokenizer, self.tokenizer.eos_token_id,   # refused in one line
+                           cfg.task.chat_template_kwargs)
         self.device = next(self.model.parameters()).device
         self.model = prepare_policy(self.model, self.tokenizer, cfg, self.run_dir,  # LoRA, act. ckpt
                                     self.dist.on_main, self.init_info)
