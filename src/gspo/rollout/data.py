@@ -28,6 +28,7 @@ import sys
 from transformers import AutoConfig, AutoTokenizer
 
 from gspo import tasks
+from gspo.envs.tools import tool_schemas
 from gspo.errors import UserError
 from gspo.rollout.chat import ChatTask
 from gspo.hub import local_path
@@ -176,6 +177,14 @@ FILE_TASKS = {"custom": (), "dataset": ("columns", "chat", "dataset", "dataset_c
 DEFAULT_N_VAL = 200  # validation prompts a built-in task draws when eval.split=validation
 
 
+def described_tools(cfg) -> list[dict] | None:
+    """The JSON schemas of the run's tools, for chat prompts (``tools=``), when they are shown."""
+    m = cfg.multiturn
+    if m.env != "tools" or not m.tools or not m.tools_in_prompt:
+        return None
+    return tool_schemas(m.tools)
+
+
 def build_task(cfg) -> CheckedTask:
     """The configured task, its data checked (``prepare_task``)."""
     t = cfg.task
@@ -197,5 +206,6 @@ def build_task(cfg) -> CheckedTask:
             raise UserError(f"task.params: {err}") from None
     tokenizer_context = tokenizer_and_context(cfg, task.split("train"))
     if t.chat:
-        task = ChatTask(task, tokenizer_context[0], t.system_prompt, t.chat_template_kwargs)
+        task = ChatTask(task, tokenizer_context[0], t.system_prompt, t.chat_template_kwargs,
+                        described_tools(cfg))
     return prepare_task(task, cfg, tokenizer_context=tokenizer_context)
