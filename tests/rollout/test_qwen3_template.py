@@ -70,3 +70,39 @@ def test_a_user_turn_after_reasoning_rewrites_history_and_is_refused(qwen3):
     with pytest.raises(TemplateError, match="rewrites the assistant turn"):
         observation_ids(qwen3, [{"role": "user", "content": "and 4+4?"}], qwen3.eos_token_id,
                         sampled=THINK + "15")
+
+
+@pytest.mark.parametrize("kwargs, reasoning", MODES)
+def test_the_tool_loop_on_qwen3_writes_the_templates_conversation(qwen3, kwargs, reasoning):
+    """Hermes turns replayed through the tool loop (as SFT demonstrations go through it): the
+    prompt carries the <tools> block, the calc tool answers, and the trajectory's ids are the
+    template's rendering of the whole conversation (thinking off: but for the empty think block
+    of the first turn's generation prompt, which the template leaves out of the history)."""
+    from gspo.envs.tools import ToolEnv, ToolRunner, tool_schemas
+    from gspo.rollout.chat import render as render_prompt
+    from gspo.rollout.multiturn import Budgets, ToolLoop
+    from gspo.tasks.base import Example
+    tools = ["gspo.tasks.tooluse:calc"]
+    runner = ToolRunner(tools)
+    turns = [reasoning + CALL, reasoning + "#15"]
+    ex = render_prompt(qwen3, Example("What is 12+3?", "15", {"turns": turns}), None, kwargs,
+                       tool_schemas(tools))
+    loop = ToolLoop(lambda e: ToolEnv(e, runner=runner, call_format="hermes"),
+                    Budgets(max_turns=3, max_new_tokens=64, max_total_tokens=512,
+                            max_observation_tokens=128), template_kwargs=kwargs)
+    batch = loop.demonstrations(qwen3, [ex], "cpu")
+    got = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
+    talk = [*QUESTION, {"role": "assistant", "content": turns[0]}, *RESULT,
+            {"role": "assistant", "content": turns[1]}]
+    text = qwen3.apply_chat_template(talk, tools=tool_schemas(tools), tokenize=False, **kwargs)
+    want = ids(qwen3, text.removesuffix("\n"))     # the trajectory ends at the policy's <|im_end|>
+    if reasoning:
+        assert got == want
+    else:
+        empty = ids(qwen3, "<think>\n\n</think>\n\n")   # the first turn's generation prompt ends in
+        at = next(i for i in range(len(got)) if got[i:i + len(empty)] == empty)   # an empty think
+        strip = got[:at] + got[at + len(empty):]   # block the history leaves out (the last keeps it)
+        assert strip == want
+    assert "<tool_response>\n15\n</tool_response>" in qwen3.decode(got)
+    assert int(batch.response_mask.sum()) == sum(len(ids(qwen3, t)) + 1 for t in turns)
+    runner.close()
