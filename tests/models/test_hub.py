@@ -5,25 +5,14 @@
 from __future__ import annotations
 
 import json
-import shutil
-
 import pytest
-from conftest import SMALL, parity_rewards
+from conftest import SMALL, cache_entry, parity_rewards
 
 from gspo.cli import main
 from gspo.errors import UserError
 from gspo import hub
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def cache_entry(cache, repo_id: str, folder, commit: str = COMMIT):
-    """Put ``folder``'s files in ``cache`` as huggingface_hub stores a snapshot of ``repo_id``."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    shutil.copytree(folder, repo / "snapshots" / commit)
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    return repo / "snapshots" / commit
+COMMIT = "0123456789abcdef0123456789abcdef01234567"   # cache_entry's default
 
 
 @pytest.fixture
