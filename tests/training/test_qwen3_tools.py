@@ -34,6 +34,7 @@ def qwen3_hub(qwen3, tmp_path, monkeypatch):
     return "gspo-test/qwen3-tiny"
 
 
+@pytest.mark.slow
 def test_qwen3_hermes_tool_job_trains_offline_from_the_cache(qwen3_hub, tmp_path, reward_module, capsys):
     rows = [{"prompt": f"What is {a}+{b}?", "answer": str(a + b),
              "turns": [CALL.format(a=a, b=b), str(a + b)]} for a, b in [(12, 3), (40, 2), (7, 8), (5, 5)]]
