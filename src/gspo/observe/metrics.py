@@ -68,6 +68,12 @@ class MetricsWriter:
             if time.monotonic() - self._flushed >= self.flush_s:
                 self.flush()
 
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        """What the model wrote at ``step`` (gspo.observe.samples) to the trackers that show text."""
+        for tracker in self._trackers:
+            with self._writing(tracker):
+                tracker.log_samples(rows, step)
+
     def flush(self) -> None:
         """Write the trackers' pending events now."""
         for tracker in self._trackers:
@@ -88,6 +94,9 @@ class NullWriter:
         pass
 
     def write(self, row: dict) -> None:
+        pass
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
         pass
 
     def flush(self) -> None:

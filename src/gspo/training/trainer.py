@@ -29,6 +29,7 @@ from gspo.models.presets import DTYPES, load_model, resolve_device, save_model
 from gspo.observe.metrics import MetricsWriter, NullWriter
 from gspo.observe.outcome import accuracy_change
 from gspo.observe.records import Recorder
+from gspo.observe.samples import SampleWriter
 from gspo.observe.timing import PARTS, breakdown
 from gspo.rewards.isolation import isolated_rewards
 from gspo.rollout.collect import Collector, DataCursor
@@ -118,8 +119,14 @@ class Trainer:
                                     self.collector.sampling)
         self.rollouts = build_source(cfg, self.collector, passes, log=self.log,  # now, or ahead
                                      skip_rows=skips_rows(cfg, self.algorithm.objective, self.ref_model))
+        samples = SampleWriter(
+            cfg.run.samples_every, cfg.run.samples_prompts, self.run_dir, self.tokenizer,
+            cfg.rollout.group_size, recorder.objective, recorder.objective_kwargs,
+            transcripts=cfg.multiturn.env is not None, log=self.metrics.log_samples,
+        ) if self.dist.is_main else None                 # rank 0 writes (its share of the batch)
         self.step = RLStep(cfg, self.model, self.optimizer, self.scheduler, self.rollouts,
-                           self.algorithm, passes, self.dist, recorder, self.task, self.ref_model)
+                           self.algorithm, passes, self.dist, recorder, self.task, self.ref_model,
+                           samples=samples)
         if self.resume:
             self.restore_latest()
 
