@@ -55,3 +55,11 @@ def test_samples_command_without_samples_is_one_line(tmp_path, capsys):
     assert main(["samples", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no samples" in err
+
+
+def test_rows_past_a_step_are_cut_on_resume(tmp_path):
+    from gspo.observe.metrics import MetricsWriter
+    path = tmp_path / "samples.jsonl"
+    path.write_text('{"step": 1, "completions": []}\n{"step": 2, "completions": []}\n{"step": 3, "comp')
+    MetricsWriter(tmp_path).truncate_after(1)
+    assert [r["step"] for r in read_samples(tmp_path)] == [1]

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from gspo.observe.samples import truncate_samples
 from gspo.storage import append_line, write_atomic, writing
 from gspo.observe.trackers import open_trackers
 
@@ -48,7 +49,9 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop rows past the checkpoint (and a line cut short by a kill) so the log
-        matches the restored state. Rewritten atomically: a second kill loses nothing."""
+        matches the restored state (samples.jsonl too). Rewritten atomically: a second kill loses
+        nothing."""
+        truncate_samples(self.path.parent, step)
         if not self.path.is_file():
             return
         rows = [line for line in self.path.read_text().splitlines()

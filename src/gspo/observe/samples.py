@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from gspo.observe.records import per_row_stats
-from gspo.storage import append_line, writing
+from gspo.storage import append_line, write_atomic, writing
 
 FILE = "samples.jsonl"
 
@@ -109,6 +109,22 @@ def read_samples(run_dir: str | Path, step: int | None = None) -> list[dict]:
     if step == -1 and rows:
         step = rows[-1]["step"]
     return [r for r in rows if step is None or r["step"] == step]
+
+
+def truncate_samples(run_dir: str | Path, step: int) -> None:
+    """On resume or roll-back: drop rows past ``step`` (and a line cut short by a kill)."""
+    path = Path(run_dir) / FILE
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    with writing(f"{FILE} cut back to step {step}", path):
+        write_atomic(path, "".join(r + "\n" for r in keep))
 
 
 def _num(value) -> str:
