@@ -3,8 +3,10 @@ ratio and clip state; ``gspo samples`` prints it; the report shows the best and 
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+import pytest
 from conftest import parity_rewards
 
 from gspo.cli import main
@@ -13,9 +15,9 @@ from gspo.observe.samples import read_samples
 from gspo.training.trainer import Trainer
 
 
-def _run(make_cfg, reward_module, *overrides):
+def _run(make_cfg, reward_module, *overrides, run="run"):
     cfg = make_cfg(parity_rewards(reward_module), "sft.enabled=false", "run.samples_every=1",
-                   "run.samples_prompts=2", *overrides)
+                   "run.samples_prompts=2", *overrides, run=run)
     Trainer(cfg, log=lambda m: None).run()
     return Path(cfg.run.dir)
 
@@ -63,3 +65,12 @@ def test_rows_past_a_step_are_cut_on_resume(tmp_path):
     path.write_text('{"step": 1, "completions": []}\n{"step": 2, "completions": []}\n{"step": 3, "comp')
     MetricsWriter(tmp_path).truncate_after(1)
     assert [r["step"] for r in read_samples(tmp_path)] == [1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_a_ray_run_writes_the_colocated_runs_samples(make_cfg, reward_module):
+    """Generators on a local Ray cluster sample what the colocated run samples (test_ray.py):
+    so are its samples, row for row."""
+    colocated = read_samples(_run(make_cfg, reward_module))
+    on_ray = read_samples(_run(make_cfg, reward_module, "rollout.placement=ray", run="ray"))
+    assert on_ray == colocated and len(on_ray) == 4
