@@ -1,9 +1,9 @@
 """Generators on Ray (rollout.placement=ray): weight-sync time per MB, generation rate, step rate.
 
-``sync``: a RayEngine (gspo.rollout.remote) with G hf generators on a local cluster; the
+``sync``: a RayEngine (gspo.rollout.engines.ray_generators) with G hf generators on a local cluster; the
 trainer's weights sent ``--repeat`` times, each sync timed (median, MB sent per generator, s/MB)
 for the tiny preset and a Qwen3-0.6B-shaped model (random weights, ``--qwen-dtype``), bucketed
-(``remote.BUCKET_BYTES``) and one broadcast per tensor; then the 0.6B model's generation rate on
+(``weights.BUCKET_BYTES``) and one broadcast per tensor; then the 0.6B model's generation rate on
 one generator (P prompts x G samples x T tokens).
 
 ``steps``: ``gspo train`` on a config (default: the default job, cold start cached) for each
@@ -42,7 +42,7 @@ def qwen3_06b(dtype):
 
 def time_syncs(engine, model, repeat: int) -> dict:
     import torch
-    from gspo.rollout import remote
+    from gspo.rollout.engines import weights
     seconds = []
     for version in range(1, repeat + 1):
         with torch.no_grad():
@@ -50,7 +50,7 @@ def time_syncs(engine, model, repeat: int) -> dict:
         t0 = time.perf_counter()
         engine.update_weights(model.state_dict(), version)
         seconds.append(time.perf_counter() - t0)
-    mb = sum(remote.bucket_bytes(b) for b in engine.layout) / 2**20
+    mb = sum(weights.bucket_bytes(b) for b in engine.layout) / 2**20
     median = statistics.median(seconds)
     return {"generators": len(engine.generators), "buckets": len(engine.layout),
             "mb_per_generator": round(mb, 2), "sync_s_median": round(median, 4),
@@ -60,7 +60,7 @@ def time_syncs(engine, model, repeat: int) -> dict:
 def sync(args) -> None:
     import torch
     from gspo.models.presets import build_char_tokenizer, build_model
-    from gspo.rollout import remote
+    from gspo.rollout.engines import ray_cluster, ray_generators, weights
     torch.set_num_threads(1)
     tiny, tokenizer = build_model("tiny-dense", 0)
     models = {"tiny-dense": tiny}
@@ -69,10 +69,10 @@ def sync(args) -> None:
     for name, model in models.items():
         for G in args.generators:
             for label, limit in (("bucketed", 64 << 20), ("per-tensor", 1)):
-                remote.BUCKET_BYTES = limit
+                weights.BUCKET_BYTES = limit
                 t0 = time.perf_counter()
-                engine = remote.build("hf", model, build_char_tokenizer() if name != "tiny-dense"
-                                      else tokenizer, remote.RaySpec(generators=G, cpus=1))
+                engine = ray_generators.build("hf", model, build_char_tokenizer() if name != "tiny-dense"
+                                      else tokenizer, ray_cluster.RaySpec(generators=G, cpus=1))
                 start = time.perf_counter() - t0
                 try:
                     row = {"model": name, "layout": label, "start_s": round(start, 1),
@@ -84,7 +84,7 @@ def sync(args) -> None:
                 print(json.dumps(row), flush=True)
                 if name != "tiny-dense":
                     break                   # per-tensor at 0.6B: only the bucketed layout
-    remote.BUCKET_BYTES = 64 << 20
+    weights.BUCKET_BYTES = 64 << 20
 
 
 def generation(engine, args) -> dict:

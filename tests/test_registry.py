@@ -87,4 +87,4 @@ def test_package_registries_refuse_a_second_registration():
         sources.register_source("math")(lambda task: None)
     with pytest.raises(ValueError, match="tracker 'wandb' is already registered"):
         trackers.register("wandb")(trackers.Tracker)
-    assert sources.source_types() == ["function", "math", "model", "think_format", "verifier"]
+    assert sources.source_types() == ["env", "function", "math", "model", "think_format", "verifier"]

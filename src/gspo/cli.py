@@ -171,7 +171,7 @@ def cmd_eval(args) -> int:
     from gspo.rollout.evaluation import evaluate
     from gspo.tools.preflight import check_checkpoint, user_input
     from gspo.training import provenance
-    from gspo.training.episodes import build_episode
+    from gspo.rollout import episodes
     with user_input():
         cfg = command_config(args)
         check_checkpoint("--checkpoint", args.checkpoint)
@@ -182,7 +182,7 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype], key="--checkpoint")
     model.to(resolve_device(cfg.model.device))
     tests = eval_examples(task, cfg)
-    episode = build_episode(cfg) if cfg.multiturn.env else None   # whole trajectories
+    episode = episodes.build(cfg.rollout.episode, cfg)   # multi-turn: whole trajectories
     result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
                       k=cfg.eval.k, temperature=cfg.eval.temperature,
                       batch_size=cfg.eval.batch_size, seed=cfg.seed, episode=episode)

@@ -193,7 +193,7 @@ def test_resolve_is_pure_and_labels_what_it_derives():
     assert cfg.model_dump() == before and cfg.train.rollout_correction.mode is None
     assert (out.config.rollout.async_ratio, out.config.train.rollout_correction.mode,
             out.config.advantage.scale) == ("decoupled", "seq_tis", "group")
-    assert sorted(out.derived) == ["advantage.scale", "rollout.async_ratio",
+    assert sorted(out.derived) == ["advantage.scale", "rollout.async_ratio", "rollout.episode",
                                    "train.rollout_correction.mode"]
     assert out.derived["train.rollout_correction.mode"].startswith("seq_tis (rollout.async_ratio")
     assert resolve(out.config, Environment()).derived == {}           # resolved: nothing left

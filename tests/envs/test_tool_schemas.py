@@ -11,7 +11,7 @@ import pytest
 from gspo.envs import Turn
 from gspo.envs.tools import Hermes, ToolEnv, ToolRunner, tool_schema, tool_schemas, load_tool
 from gspo.rollout.chat import ChatTask, render, row_tools
-from gspo.rollout.multiturn import Row, episode_metrics, take_turn, Budgets
+from gspo.rollout.episodes.turn_loop import Budgets, Row, episode_metrics, take_turn
 from gspo.tasks.base import Example
 
 TOOLS = ["gspo.tasks.tooluse:calc", "gspo.tasks.tooluse:lookup"]

@@ -118,8 +118,8 @@ def test_build_rewards_from_specs(reward_mod, arithmetic):
 
 
 def test_build_rewards_errors(arithmetic):
-    assert sources.source_types() == ["function", "math", "model", "think_format", "verifier"]
-    valid = "valid types: function, math, model, think_format, verifier"
+    assert sources.source_types() == ["env", "function", "math", "model", "think_format", "verifier"]
+    valid = "valid types: env, function, math, model, think_format, verifier"
     with pytest.raises(ValueError, match=rf"rewards.sources\[0\]: unknown reward type 'llm'; {valid}"):
         build_rewards([{"type": "llm"}], arithmetic)
     with pytest.raises(ValueError, match=r"rewards.sources\[1\]: unknown reward type None"):

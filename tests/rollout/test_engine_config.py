@@ -2,6 +2,7 @@
 the name is checked against the engine registry, what vLLM cannot serve is one line and exit 2
 before any model is built, and train.rollout_correction.mode resolves per engine."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -26,18 +27,25 @@ def _fails(capsys, tmp_path, *argv: str) -> str:
     return out.err
 
 
-def test_config_names_are_the_registry(monkeypatch):
-    """rollout.engine is checked against the registry itself: a new engine is a valid name and
-    its default_correction is the one a config leaves unset resolves to."""
-    class Other(engines.HFEngine):
-        default_correction = "icepop"
-    registry = engines._REGISTRY.copy()                  # register into a copy
-    monkeypatch.setattr(engines, "_REGISTRY", registry)
-    monkeypatch.setattr(engines, "available", registry.names)
-    engines.register("other")(Other)
-    with pytest.raises(ConfigError, match="unknown engine 'nope'; valid: hf, other, vllm"):
+def test_a_new_engine_is_one_class_and_a_registry_line(monkeypatch):
+    """An engine registered here, in the test module (into a copy of the registry), with the
+    capabilities of a server that runs its own kernels: rollout.engine names it, and every rule
+    that depends on the engine reads its capabilities, so it gets the right refusals and defaults
+    without an edit to gspo.config."""
+    class Remote(engines.HFEngine):
+        capabilities = engines.Capabilities(own_kernels=True, joins_process_group=True,
+                                            default_correction="icepop")
+    monkeypatch.setattr(engines.base, "ENGINES", engines.ENGINES.copy())
+    engines.register("remote")(Remote)
+    with pytest.raises(ConfigError, match="unknown engine 'nope'; valid: hf, remote, vllm"):
         load_config(None, ["rollout.engine=nope"])
-    assert load_config(None, ["rollout.engine=other"]).train.rollout_correction.mode == "icepop"
+    assert load_config(None, ["rollout.engine=remote"]).train.rollout_correction.mode == "icepop"
+    with pytest.raises(ConfigError, match="rollout.engine=remote cannot serve model.lora"):
+        load_config(None, ["rollout.engine=remote", "model.lora={r: 4}"])
+    two = Environment(world_size=2)             # its own process group: a thread worker
+    assert load_config(None, ["rollout.engine=remote", "rollout.async=true"],
+                       environment=two).rollout.async_worker == "thread"
+    assert load_config(None, ["rollout.async=true"], environment=two).rollout.async_worker == "process"
 
 
 def test_the_world_size_comes_from_the_environment_given():
@@ -107,7 +115,8 @@ def test_torchrun_world_takes_an_engine_per_rank_or_per_tensor_parallel_group(mo
 
 def test_a_model_type_the_engine_refuses_is_refused_before_it_is_built(capsys, tmp_path, monkeypatch):
     """No model type is refused today (tiny-moe is served: test_vllm_moe.py); the hook is kept."""
-    monkeypatch.setitem(engines.VLLMEngine.refuses, "qwen3_moe", "a reason")
+    refusing = dataclasses.replace(engines.VLLMEngine.capabilities, refuses={"qwen3_moe": "a reason"})
+    monkeypatch.setattr(engines.VLLMEngine, "capabilities", refusing)
     err = _fails(capsys, tmp_path, "rollout.engine=vllm", "model.preset=tiny-moe")
     assert "rollout.engine: engine 'vllm' cannot serve a qwen3_moe model: a reason" in err
 

@@ -1,6 +1,7 @@
 """gspo.rollout.engines without vLLM: the hf engine wraps rollout.sample (same tokens as generate), its
 dtype copy and weight sync, the registry and the one-line refusals. vLLM itself: test_vllm.py."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -125,8 +126,9 @@ def test_registry_and_refusals(policy, monkeypatch):
     assert engines.available() == ["hf", "vllm"]
     with pytest.raises(engines.EngineUnavailable, match="unknown engine 'vlm'; valid: hf, vllm"):
         engines.build("vlm", model, tok)
-    assert engines.VLLMEngine.refuses == {}        # qwen3_moe is served (test_vllm_moe.py)
-    monkeypatch.setitem(engines.VLLMEngine.refuses, "qwen3_moe", "a reason")   # the hook still works
+    assert engines.VLLMEngine.capabilities.refuses == {}   # qwen3_moe is served (test_vllm_moe.py)
+    refusing = dataclasses.replace(engines.VLLMEngine.capabilities, refuses={"qwen3_moe": "a reason"})
+    monkeypatch.setattr(engines.VLLMEngine, "capabilities", refusing)   # the hook still works
     moe, moe_tok = build_model("tiny-moe", 0)
     with pytest.raises(engines.EngineUnavailable, match="cannot serve a qwen3_moe model: a reason") as err:
         engines.build("vllm", moe, moe_tok)

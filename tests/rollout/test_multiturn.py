@@ -1,4 +1,4 @@
-"""The multi-turn rollout loop (gspo.rollout.multiturn) with a scripted sampler and scripted
+"""The multi-turn rollout loop (gspo.rollout.episodes.turn_loop) with a scripted sampler and scripted
 environments: exact ids, masks (policy turns and their end-of-turn tokens 1, observations 0,
 attention 1 on every real token) and sampler log-probs for each way a row ends; a non-canonical
 BPE split survives; observation positions reach no objective of the registry."""
@@ -13,7 +13,7 @@ import torch
 
 from gspo.core import objectives
 from gspo.envs import Observation, Reply, Turn
-from gspo.rollout.multiturn import Budgets, episode_metrics, run_episodes, text_observer, to_tensors
+from gspo.rollout.episodes.turn_loop import Budgets, episode_metrics, run_episodes, text_observer, to_tensors
 
 EOS, PAD = 0, 99
 
@@ -144,7 +144,7 @@ def test_demonstrations_replay_the_turns_through_the_environment():
     turns; the loss trains on the policy's turns (and their EOS) only."""
     from gspo import envs, tasks
     from gspo.envs.tools import ToolRunner
-    from gspo.rollout.multiturn import demonstrations
+    from gspo.rollout.episodes.turn_loop import demonstrations
     example = tasks.build("calculator", n_train=1, n_test=1, call_fraction=1.0).split("train")[0]
     runner = ToolRunner(["gspo.tasks.tooluse:calc"])
     env = envs.build("tools", example, runner=runner, call_format="bracket")
@@ -155,6 +155,12 @@ def test_demonstrations_replay_the_turns_through_the_environment():
     assert rows[0].end == "done" and rows[0].turns == [call, answer]
     assert rows[0].ids == encode(call) + [EOS] + encode(f"={value}\n") + encode(answer) + [EOS]
     assert rows[0].policy == [1] * (len(call) + 1) + [0] * (len(value) + 2) + [1] * (len(answer) + 1)
+    record = rows[0].record()          # what the rewards read: the conversation and its calls
+    assert record.transcript == ({"role": "assistant", "content": call},
+                                 {"role": "environment", "content": f"={value}\n"},
+                                 {"role": "assistant", "content": answer})
+    assert [c["result"] for c in record.tool_calls] == [value] and record.end == "done"
+    assert record.reward is None       # the tools environment keeps no reward of its own
 
 
 def test_metrics():
@@ -216,7 +222,7 @@ def test_trainer_logprobs_equal_the_samplers_on_policy_tokens_of_multiturn_batch
     from gspo.rollout import engines
     from gspo.rollout.generate import SamplingParams
     from gspo.rollout.generate import demonstration_batch
-    from gspo.rollout.multiturn import collect_episodes
+    from gspo.rollout.episodes.tool_loop import collect_episodes
     from gspo.training.cold_start import sft_loss
     torch.manual_seed(0)
     model, _ = build_model("tiny-dense", 0)

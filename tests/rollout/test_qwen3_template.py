@@ -80,7 +80,8 @@ def test_the_tool_loop_on_qwen3_writes_the_templates_conversation(qwen3, kwargs,
     of the first turn's generation prompt, which the template leaves out of the history)."""
     from gspo.envs.tools import ToolEnv, ToolRunner, tool_schemas
     from gspo.rollout.chat import render as render_prompt
-    from gspo.rollout.multiturn import Budgets, ToolLoop
+    from gspo.rollout.episodes.tool_loop import ToolLoop
+    from gspo.rollout.episodes.turn_loop import Budgets
     from gspo.tasks.base import Example
     tools = ["gspo.tasks.tooluse:calc"]
     runner = ToolRunner(tools)

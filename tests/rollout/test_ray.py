@@ -1,4 +1,4 @@
-"""Generators on Ray (rollout.placement=ray, gspo.rollout.remote) on a local cluster of this
+"""Generators on Ray (rollout.placement=ray, gspo.rollout.engines.ray_generators) on a local cluster of this
 machine, in runs: s = 0 is the colocated run (metrics and weights), a killed generator replaced
 with nothing lost, s = 1 the colocated asynchronous run; a SIGKILLed trainer leaves no process
 behind, a finished one neither, a lost cluster ends the run in one line; bad input is one line,
@@ -25,7 +25,7 @@ from gspo.config import load_config
 from gspo.errors import UserError
 from gspo.models.presets import load_model
 from gspo.observe.metrics import read_metrics
-from gspo.rollout import remote
+from gspo.rollout.engines import ray_cluster, ray_generators
 from gspo.rollout.ray_keeper import members
 from gspo.tools import preflight
 from gspo.training.trainer import Trainer
@@ -66,12 +66,12 @@ def _final_weights(run_dir):
 def kept_clusters(monkeypatch):
     """The local clusters started while the test runs (their process groups), recorded."""
     started = []
-    original = remote.LocalCluster.__init__
+    original = ray_cluster.LocalCluster.__init__
 
     def recording(self, *args, **kwargs):
         original(self, *args, **kwargs)
         started.append(self.pgid)
-    monkeypatch.setattr(remote.LocalCluster, "__init__", recording)
+    monkeypatch.setattr(ray_cluster.LocalCluster, "__init__", recording)
     return started
 
 
@@ -82,14 +82,14 @@ def test_staleness_zero_on_ray_is_the_colocated_run(make_cfg, reward_module, kep
     batch of step 2: both the colocated run, metrics and final weights; nothing left running."""
     colocated = _cfg(make_cfg, reward_module, run="colocated")
     Trainer(colocated, log=lambda m: None).run()
-    calls, generate = [], remote.RayEngine.generate
+    calls, generate = [], ray_generators.RayEngine.generate
 
     def kill_at_step_2(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
             os.kill(self.pids()[0], signal.SIGKILL)
         return generate(self, *args, **kwargs)
-    monkeypatch.setattr(remote.RayEngine, "generate", kill_at_step_2)
+    monkeypatch.setattr(ray_generators.RayEngine, "generate", kill_at_step_2)
     runs = {"ray": ("rollout.placement=ray",),
             "ray-s0": ("rollout.placement=ray", "rollout.async=true", "rollout.max_staleness=0")}
     for run, overrides in runs.items():
@@ -239,7 +239,7 @@ def test_ray_not_installed_is_one_line(tmp_path, monkeypatch):
 
 @needs_ray
 def test_an_unreachable_address_is_one_line(tmp_path):
-    port = remote.free_port()                               # nothing listens there
+    port = ray_cluster.free_port()                               # nothing listens there
     t0 = time.perf_counter()
     with pytest.raises(UserError) as err:
         preflight.check_placement(_placement(tmp_path, f"rollout.ray_address=127.0.0.1:{port}"))
@@ -259,7 +259,7 @@ def test_more_generators_than_resources_is_one_line(tmp_path):
 
 def test_the_cli_refuses_before_training_exit_2(tmp_path, capsys):
     from gspo.cli import main
-    port = remote.free_port()
+    port = ray_cluster.free_port()
     code = main(["train", f"run.dir={tmp_path / 'run'}", "rollout.placement=ray",
                  f"rollout.ray_address=127.0.0.1:{port}"])
     err = capsys.readouterr().err.strip().splitlines()

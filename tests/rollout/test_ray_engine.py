@@ -1,4 +1,4 @@
-"""Generators on Ray (gspo.rollout.remote), the engine alone: two hf generators on a local
+"""Generators on Ray (gspo.rollout.engines.ray_generators), the engine alone: two hf generators on a local
 cluster, one engine for the module (its start costs seconds). The weights are bit-equal on every
 generator after every sync, versioned, a stale sync refused; each shard is seeded by its first
 prompt; a SIGKILLed generator is replaced and its prompts re-issued with the same samples.
@@ -13,7 +13,8 @@ import torch
 pytest.importorskip("ray")
 
 from gspo.models.presets import build_model  # noqa: E402
-from gspo.rollout import engines, remote  # noqa: E402
+from gspo.rollout import engines
+from gspo.rollout.engines import ray_cluster, ray_generators  # noqa: E402
 from gspo.rollout.generate import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_without_auth")
@@ -24,7 +25,7 @@ def two():
     """(RayEngine with two hf generators, model, tokenizer) on a local cluster."""
     model, tokenizer = build_model("tiny-dense", 0)
     model.eval()
-    engine = remote.build("hf", model, tokenizer, remote.RaySpec(generators=2, cpus=1))
+    engine = ray_generators.build("hf", model, tokenizer, ray_cluster.RaySpec(generators=2, cpus=1))
     yield engine, model, tokenizer
     engine.close()
 

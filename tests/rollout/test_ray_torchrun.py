@@ -1,6 +1,6 @@
 """Generators on Ray for a torchrun trainer (rollout.placement=ray, 2 ranks, ddp): rank 0 alone
 talks to the generators and hands each rank the samples of the whole batch
-(gspo.rollout.remote.RankZero); each rank keeps its own rows.
+(gspo.rollout.ray_generators.RankZero); each rank keeps its own rows.
 
 Why 2 ranks can repeat the colocated process: rank 0 samples every prompt with the one-process
 seed (a single hf generator seeded as the colocated engine is, its weights bit-equal after each

@@ -114,7 +114,8 @@ def test_multiturn_logprobs_equal_the_trainers_on_policy_tokens(dense):
     EOS; vLLM's log-probs on the policy tokens of the holed batch equal the trainer's forward
     (attention on every real token) as in a single turn."""
     from gspo.envs import Observation, Reply
-    from gspo.rollout.multiturn import Budgets, collect_episodes, text_observer
+    from gspo.rollout.episodes.tool_loop import collect_episodes
+    from gspo.rollout.episodes.turn_loop import Budgets, text_observer
     model, tok, engine = dense
     engine.update_weights(model.state_dict(), None)
 

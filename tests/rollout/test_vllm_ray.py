@@ -1,4 +1,4 @@
-"""vLLM generators on Ray (rollout.placement=ray, rollout.engine=vllm; gspo.rollout.remote): two
+"""vLLM generators on Ray (rollout.placement=ray, rollout.engine=vllm; gspo.rollout.engines.ray_generators): two
 generators, their prompts split with seed offsets, sample exactly the batch of one colocated
 vLLM call (tokens and log-probs), before and after a weight sync, and hold the trainer's weights
 bit for bit; and a torchrun trainer (2 ranks, ddp) with vLLM generators on Ray trains as one
@@ -16,7 +16,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("ray")
 
 from gspo.models.presets import build_model  # noqa: E402
-from gspo.rollout import engines, remote  # noqa: E402
+from gspo.rollout import engines
+from gspo.rollout.engines import ray_cluster, ray_generators  # noqa: E402
 from gspo.rollout.generate import SamplingParams  # noqa: E402
 from gspo.observe.metrics import read_metrics  # noqa: E402
 from conftest import gspo_command  # noqa: E402
@@ -40,7 +41,7 @@ def test_two_vllm_generators_sample_the_one_call_batch(monkeypatch):
     ids = [tokenizer(p)["input_ids"] for p in ("12+3=", "7*8=", "40-9=", "5+5=", "9-1=")]
     params = SamplingParams(8)
     before = {p for p in os.listdir("/tmp") if p.startswith("gspo-ray-")}
-    ray_engine = remote.build("vllm", model, tokenizer, remote.RaySpec(generators=2, cpus=1),
+    ray_engine = ray_generators.build("vllm", model, tokenizer, ray_cluster.RaySpec(generators=2, cpus=1),
                               seed=0, kv_cache_gib=1)
     local = None
     try:

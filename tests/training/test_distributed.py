@@ -36,7 +36,7 @@ from gspo.core import objectives
 from gspo.core.advantages import group_advantages
 from gspo.observe import reductions
 from gspo.training.distributed import Dist
-from gspo.rollout.collect import split_minibatches
+from gspo.core.plan import split_minibatches
 from gspo.training.old_policy import OldLogprobs
 
 P, G, T, V, H = 5, 3, 6, 11, 4   # prompts, group size, response columns, vocabulary, features
@@ -87,14 +87,13 @@ def test_an_engine_seeding_each_prompt_is_seeded_at_the_first_prompt_of_the_shar
     its first prompt (its tensor-parallel group's with engine_tp), so K ranks sample the one-call
     batch; hf draws one generator per call: each rank its own seed (rank 0's the one-process one)."""
     from gspo.config import TrainConfig
-    from gspo.rollout.collect import Collector, rollout_seed
+    from gspo.rollout.shares import RankShares, rollout_seed
     from gspo.training.collectives import RANK_SEED_STRIDE
 
     def seed(engine, rank, world, tp=1):
         cfg = TrainConfig.model_validate({"rollout": {"engine": engine, "prompts_per_step": 10,
                                                       "engine_tp": tp}})
-        return Collector(cfg, None, None, None, [], None, None, Dist(rank=rank, world=world),
-                         None).seed(3, 1)
+        return RankShares(cfg.rollout, cfg.seed, Dist(rank=rank, world=world)).seed(3, 1)
 
     base = rollout_seed(0, 3, 1)
     assert [seed("vllm", r, 3) for r in range(3)] == [base, base + 4, base + 7]

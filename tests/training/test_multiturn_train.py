@@ -63,6 +63,26 @@ def test_an_environment_that_ends_after_the_first_turn_is_the_single_turn_run(ma
     assert all(torch.equal(weights_mt[k], weights[k]) for k in weights)
 
 
+def test_an_environment_that_owns_its_reward_trains_through_the_env_source(make_cfg, reward_module):
+    """rewards.sources=[{type: env}]: the environment's reward() of each finished episode is the
+    reward. An environment that ends after the first turn and scores it as the parity function
+    scores a completion gives the parity run's metrics and weights bit for bit."""
+    rows, weights = _run(make_cfg, reward_module, "run.save_every=2", run="plain")
+    cfg = make_cfg("rewards.sources=[{type: env}]", "multiturn.env=episode_helpers:ParityEnv",
+                   "train.steps=2", "run.save_every=2", run="env")
+    Trainer(cfg, log=lambda m: None).run()
+    rows_env = [{k: v for k, v in r.items() if not k.startswith(("time/", "multiturn/"))}
+                for r in read_metrics(cfg.run.dir)]
+    weights_env = load_file(f"{cfg.run.dir}/checkpoints/step_000002/model.safetensors")
+    assert rows_env == rows and rows[1]["reward/std"] > 0     # (the reward did vary)
+    assert all(torch.equal(weights_env[k], weights[k]) for k in weights)
+
+
+def test_the_env_source_without_an_environment_is_refused():
+    with pytest.raises(ConfigError, match="rewards.sources has type env"):
+        load_config(None, ["rewards.sources=[{type: env}]"])
+
+
 def test_a_calculator_run_calls_its_tool_and_logs_the_episode(make_cfg):
     cfg = make_cfg("task.name=calculator", "task.params={digits: 2, call_fraction: 1.0}", *TOOLS,
                    "rollout.max_new_tokens=16", "multiturn.max_total_tokens=40", "sft.steps=60",
@@ -120,12 +140,12 @@ def test_the_cold_start_alone_trains_on_the_multiturn_demonstrations(make_cfg):
     from gspo.rollout.data import build_task
     from gspo.rollout.generate import SamplingParams
     from gspo.training.cold_start import initial_policy
-    from gspo.training.episodes import build_episode
+    from gspo.rollout import episodes
     cfg = make_cfg("task.name=calculator", "task.params={digits: 2, call_fraction: 1.0}", *TOOLS,
                    "rollout.max_new_tokens=16", "multiturn.max_total_tokens=40", "sft.steps=60")
     task = build_task(cfg)
     model, tok, _ = initial_policy(cfg, task, log=lambda m: None, progress=False)
-    episode = build_episode(cfg)
+    episode = episodes.build(cfg.rollout.episode, cfg)
     episode(engines.build("hf", model, tok), tok, task.split("test")[:8],
             SamplingParams(max_new_tokens=16, greedy=True), group_size=1, seed=0, with_logprobs=False)
     # measured with seeds 2, 3, 4 as well (this test's config, seed=S): 1.0 on each, so 0.5 has

@@ -20,7 +20,8 @@ from gspo.config import load_config
 from gspo.observe.metrics import read_metrics
 from gspo.models.presets import load_model
 from gspo.observe.report import build_report
-from gspo.rollout.collect import DataCursor, split_minibatches
+from gspo.core.plan import split_minibatches
+from gspo.rollout.collect import DataCursor
 from gspo.training.cold_start import initial_policy
 from gspo.training.trainer import Trainer
 from gspo.training.old_policy import OldLogprobs

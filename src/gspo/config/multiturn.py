@@ -1,4 +1,4 @@
-"""The ``multiturn`` section (``gspo.envs``, ``gspo.rollout.multiturn``): the environment every
+"""The ``multiturn`` section (``gspo.envs``, ``gspo.rollout.episodes``): the environment every
 trajectory runs in, its tools, and the budgets of an episode (docs/multiturn.md)."""
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ always refused for the same one. Derived (``Resolved.derived``, key -> why):
 * ``rollout.async_ratio``: auto under ``rollout.async`` -> decoupled (with a correction mode for
   the objective's level unless one was set) or behaviour;
 * ``rollout.async_worker``: unset under ``rollout.placement=ray`` with ``rollout.async`` ->
-  thread (the generators are the worker's sampler; a process worker would start its own).
+  thread (the generators are the worker's sampler; a process worker would start its own);
+* ``rollout.episode``: unset -> tool_loop when ``multiturn.env`` is set, else single_turn.
 
 This module does not read files or the environment, and builds nothing.
 """
@@ -32,7 +33,7 @@ from gspo import envs, tasks
 from gspo.envs.tools import load_tool
 from gspo.config.train import TrainConfig
 from gspo.core import advantages, objectives
-from gspo.rollout import engines
+from gspo.rollout import engines, episodes
 
 ASYNC_OBJECTIVES_REFUSED = {"ppo": "its critic is trained on each batch in step with the policy",
                             "dpo": "its pairs are not importance-weighted",
@@ -125,10 +126,10 @@ def routing_replay_old(out: Resolved, env: Environment) -> None:
 
 
 def engine(out: Resolved, env: Environment) -> None:
-    """What an engine with its own kernels (Engine.own_kernels: vllm) cannot serve; the package
+    """What an engine with its own kernels (Capabilities.own_kernels: vllm) cannot serve; the package
     and the model type are checked by the preflight (gspo.rollout.engines.check)."""
     c = out.config
-    if not engines.spec(c.rollout.engine).own_kernels:
+    if not engines.capabilities(c.rollout.engine).own_kernels:
         if c.rollout.engine_tp > 1:
             raise ValueError(f"rollout.engine_tp={c.rollout.engine_tp} splits an engine with its own "
                              f"kernels (vllm) over ranks; rollout.engine={c.rollout.engine} samples "
@@ -154,7 +155,7 @@ def rollout_correction(out: Resolved, env: Environment) -> None:
     c = out.config
     if c.train.rollout_correction.mode is None:
         recompute = c.train.old_logprobs == "recompute"
-        mode = engines.spec(c.rollout.engine).default_correction if recompute else "none"
+        mode = engines.capabilities(c.rollout.engine).default_correction if recompute else "none"
         why = (f"rollout.engine={c.rollout.engine}'s default" if recompute
                else "train.old_logprobs=rollout: π_old is the sampler's")
         derive(out, "train.rollout_correction.mode", mode, why)
@@ -174,8 +175,8 @@ def async_rollout(out: Resolved, env: Environment) -> None:
         if c.rollout.async_ratio not in ("auto", "behaviour"):
             raise ValueError(f"rollout.async_ratio={c.rollout.async_ratio} needs rollout.async=true")
         return
-    if (env.world_size > 1 and c.rollout.engine != "hf" and c.rollout.async_worker == "process"
-            and "async_worker" not in c.rollout.model_fields_set):
+    if (env.world_size > 1 and engines.capabilities(c.rollout.engine).joins_process_group
+            and c.rollout.async_worker == "process" and "async_worker" not in c.rollout.model_fields_set):
         derive(out, "rollout.async_worker", "thread", f"torchrun with rollout.engine="
                f"{c.rollout.engine}: each rank's worker samples through the rank's engine")
         c = out.config
@@ -219,7 +220,7 @@ def async_torchrun_refusal(c: TrainConfig) -> str | None:
     if c.train.dynamic_sampling:
         return ("torchrun with train.dynamic_sampling (the ranks agree on refill rounds by a "
                 "collective, which a worker cannot make beside the trainer's)")
-    if c.rollout.engine != "hf" and c.rollout.async_worker == "process":
+    if engines.capabilities(c.rollout.engine).joins_process_group and c.rollout.async_worker == "process":
         return (f"torchrun with rollout.engine={c.rollout.engine} and rollout.async_worker=process "
                 "(the worker's own engine would join the trainers' process group: use thread)")
     if c.rollout.placement == "ray":
@@ -247,7 +248,7 @@ def async_ratio(out: Resolved) -> None:
 
 
 def placement(out: Resolved, env: Environment) -> None:
-    """What generators on Ray (gspo.rollout.remote) cannot serve yet; the worker of
+    """What generators on Ray (gspo.rollout.engines.ray_generators) cannot serve yet; the worker of
     rollout.async is a thread whose sampler is the generators."""
     c = out.config
     if c.rollout.placement == "colocated":
@@ -315,12 +316,25 @@ def not_built_together(out: Resolved, env: Environment) -> None:
                          "reference are copies of the whole policy); use a group-relative objective")
 
 
+def episode(out: Resolved, env: Environment) -> None:
+    """The run's episode (derived from multiturn.env when unset), and what it cannot serve."""
+    c = out.config
+    if c.rollout.episode is None:
+        name = "single_turn" if c.multiturn.env is None else "tool_loop"
+        derive(out, "rollout.episode", name, f"multiturn.env={c.multiturn.env}")
+    if why := episodes.refusal(out.config.rollout.episode, out.config):
+        raise ValueError(f"rollout.episode={out.config.rollout.episode}: {why}")
+
+
 def multiturn(out: Resolved, env: Environment) -> None:
     """An environment's names and what does not combine with a multi-turn episode yet."""
     c, m = out.config, out.config.multiturn
     if m.env is None:
         if m.tools:
             raise ValueError("multiturn.tools is set but multiturn.env is not: set multiturn.env=tools")
+        if any(s.type == "env" for s in c.rewards.sources):
+            raise ValueError("rewards.sources has type env (the environment's own reward), but "
+                             "multiturn.env is not set: no environment runs to give it")
         return
     if m.env == "tools" and not m.tools:
         raise ValueError("multiturn.env=tools needs multiturn.tools (typed functions, module:function)")
@@ -348,5 +362,6 @@ def multiturn(out: Resolved, env: Environment) -> None:
 
 RULES: tuple[Callable[[Resolved, Environment], None], ...] = (
     advantage_scale, minibatches, routing_replay_old, engine, rollout_correction,
-    async_rollout, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn)
+    async_rollout, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn,
+    episode)
 """The rules in the order they run."""

@@ -8,7 +8,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from gspo.config.base import Section, one_of
 from gspo.core.quantize import FORMATS
-from gspo.rollout import engines
+from gspo.rollout import engines, episodes
 
 
 class RolloutConfig(Section):
@@ -28,6 +28,8 @@ class RolloutConfig(Section):
     """Precision of the model that samples: model (the policy itself, model.dtype) or a copy of the policy in this dtype, refreshed from it before every generation (e.g. bfloat16 sampling with float32 training: a real rollout/trainer mismatch, see train.rollout_correction)."""
     quantize: str | None = None
     """Sample with a copy of the policy whose weight matrices are rounded to a format of gspo.core.quantize.FORMATS: int8 or int4 (symmetric, a scale per output channel; int4 the coarsest) or fp8 e4m3 (a scale per matrix), computed in the copy's dtype: a quantised sampler's mismatch, larger than bf16's, on any machine (gspo.core.quantize; embeddings, LM head and MoE routers stay exact). The copy is refreshed, and rounded again, before every generation, and its log-probs are always returned (mismatch/* every step, whatever the correction). Evaluation: hf on the policy itself; vllm through its rounded engine. None: no rounding."""
+    episode: str | None = None
+    """How prompts become trajectories (gspo.rollout.episodes): single_turn | tool_loop; None: tool_loop with multiturn.env, else single_turn."""
     engine: str = "hf"
     """Generation engine (gspo.rollout.engines, docs/engines.md): hf (transformers generate on the policy, or on its rollout.dtype copy) | vllm (a vLLM engine in this process built once from the policy after the cold start, weights synced in place before every step's generation; optional package; under torchrun one engine per rank, or per rollout.engine_tp ranks, each sampling its share, docs/distributed.md; no LoRA, no moe.routing_replay=rollout; under rollout.async a thread worker samples through the same engine, a process worker builds its own). With vllm the sampler's log-probs are always returned (mismatch/* every step) and train.rollout_correction defaults to tis."""
     engine_tp: int = Field(1, ge=1)
@@ -55,6 +57,11 @@ class RolloutConfig(Section):
     """With rollout.placement=ray: the address of a running Ray cluster (host:port of `ray start --head`), or None: a local cluster started for the run with rollout.generators x generator_cpus CPUs, stopped with it (also when the trainer is killed)."""
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    @field_validator("episode")
+    @classmethod
+    def _episode(cls, name: str | None) -> str | None:
+        return name if name is None else one_of("episode", name, episodes.names())
 
     @field_validator("engine")
     @classmethod

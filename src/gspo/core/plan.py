@@ -11,6 +11,8 @@ Two savings, both exact for the update (same loss value and gradient):
   empty loss mask contributes nothing either. Such rows need neither π_old nor a forward/backward:
   they stay in the loss with log π_θ = log π_old (ratio 1), so counts and normalisers are unchanged.
 
+The minibatches themselves are a seeded shuffled partition of the rows (``split_minibatches``,
+``minibatch_seed``: whole groups kept together under train.minibatch_by=groups).
 Index sets are CPU tensors: planning never waits on the device. Shapes: N rows, M minibatches.
 What it is not: the loop. The trainer runs the plan (``Trainer.update``).
 """
@@ -59,3 +61,23 @@ def plan_update(minibatches: list[Tensor], live: Tensor | None, *, reuse_first: 
     rows = [idx[pos] for idx, pos in zip(later, later_pos)]
     old_rows = torch.cat(rows).sort().values if rows else torch.zeros(0, dtype=torch.long)
     return UpdatePlan(minibatches, trained, old_rows, reuse_first)
+
+
+def split_minibatches(n: int, m: int, generator: torch.Generator, group_size: int = 1
+                      ) -> list[torch.Tensor]:
+    """A shuffled partition of range(n) into m nearly equal index sets. ``group_size`` G > 1: the
+    units dealt are the n / G groups of G consecutive rows (a prompt's responses), kept whole,
+    so that each prompt is in one minibatch (train.minibatch_by=groups)."""
+    if group_size == 1:
+        return list(torch.randperm(n, generator=generator).tensor_split(min(m, n)))
+    if n % group_size:
+        raise ValueError(f"{n} rows are not whole groups of {group_size}")
+    groups = torch.randperm(n // group_size, generator=generator)                 # [n / G]
+    within = torch.arange(group_size)                                              # [G]
+    return [(part[:, None] * group_size + within).reshape(-1)                      # [|part| * G]
+            for part in groups.tensor_split(min(m, n // group_size))]
+
+
+def minibatch_seed(run_seed: int, step: int) -> int:
+    """Seed of the minibatch split of ``step`` (the policy's and PPO's critic's)."""
+    return run_seed * 7 + step

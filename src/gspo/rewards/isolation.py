@@ -34,7 +34,7 @@ import torch
 
 from gspo.errors import RewardError, RewardFault
 from gspo.rewards.sandbox import Limits
-from gspo.rewards.sources import CombinedReward, RewardResult, build_rewards
+from gspo.rewards.sources import CombinedReward, RewardResult, build_rewards, score
 from gspo.tasks.base import reward_value
 
 MAX_LOGGED = 5  # failure messages printed per reward source and run (all are counted)
@@ -175,13 +175,16 @@ class IsolatedSource:
         self.source, self.name, self.caller = source, source.name, caller
         self.label = getattr(source, "label", repr(source.name))  # in messages: as the config says
         self.per_sample = getattr(source, "per_sample", False)
+        self.reads_records = getattr(source, "reads_records", False)
+        self.needs_episode = getattr(source, "needs_episode", False)
 
-    def __call__(self, completions: list[str], examples: list) -> tuple[list[float], dict[int, str]]:
+    def __call__(self, completions: list[str], examples: list, records: list | None = None
+                 ) -> tuple[list[float], dict[int, str]]:
         n, faults = len(completions), {}
         values = [math.nan] * n
         if not self.per_sample:
             try:
-                out = list(self.source(completions, examples))
+                out = list(score(self.source, completions, examples, records))
                 if len(out) != n:
                     raise RewardFault(f"returned {len(out)} values for {n} completions")
             except (Exception, SystemExit) as err:  # noqa: BLE001
@@ -193,6 +196,8 @@ class IsolatedSource:
                     faults[i] = str(err)
             return values, faults
         calls = [([c], [ex]) for c, ex in zip(completions, examples)]
+        if self.reads_records:      # each row's episode record beside it (None: single turn)
+            calls = [(*call, None if records is None else [records[i]]) for i, call in enumerate(calls)]
         for i, (value, error) in enumerate(self.caller.map(self.source, calls)):  # one hand-off
             try:
                 if error is not None:
@@ -222,7 +227,7 @@ class IsolatedReward:
     def weights(self) -> dict[str, float]:
         return {s.name: w for s, w in self.sources}
 
-    def __call__(self, completions: list[str], examples: list):
+    def __call__(self, completions: list[str], examples: list, records: list | None = None):
         n = len(completions)
         if len(examples) != n:
             raise ValueError(f"got {n} completions but {len(examples)} examples")
@@ -230,7 +235,7 @@ class IsolatedReward:
         failed = torch.zeros(n, dtype=torch.bool)                          # [N]
         per_source = {}
         for source, weight in self.sources:
-            values, faults = source(completions, examples)
+            values, faults = source(completions, examples, records)
             for i, reason in faults.items():
                 self._report(source, i, completions[i], examples[i], reason)
             r = torch.tensor(values, dtype=torch.float32)                  # [N], NaN where failed

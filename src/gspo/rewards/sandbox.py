@@ -56,6 +56,7 @@ import weakref
 from dataclasses import asdict, dataclass
 
 from gspo.errors import RewardFault
+from gspo.tasks.record import keywords_for
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 STARTUP_S = 60.0  # importing the user's module may take a while
@@ -102,12 +103,20 @@ class SandboxedFunction:
         return None if self._proc is None else self._proc.pid
 
     def __call__(self, *completion: str, **row):
-        if self._proc is None:
-            self._start()
         if len(completion) != (self.kind == "reward"):
             raise TypeError(f"a sandboxed {self.kind} takes {'one positional argument' if self.kind == 'reward' else 'keyword arguments only'}")
-        request = json.dumps({"completion": completion[0] if completion else None, "row": row},
-                             default=repr) + "\n"
+        return self.request({"completion": completion[0] if completion else None, "row": row})
+
+    def score(self, completion: str, row: dict, record: dict):
+        """A reward on one row, with the episode record's fields the function names as
+        parameters (the worker picks them: ``gspo.tasks.record.keywords_for``)."""
+        return self.request({"completion": completion, "row": row, "record": record})
+
+    def request(self, call: dict):
+        """One call in the worker: its value, or ``RewardFault``."""
+        if self._proc is None:
+            self._start()
+        request = json.dumps(call, default=repr) + "\n"
         try:
             self._proc.stdin.write(request.encode())
             self._proc.stdin.flush()
@@ -361,7 +370,8 @@ def _worker(config: dict) -> None:
             if config["kind"] == "tool":
                 reply = _encode_tool(fn(**request["row"]))
             else:
-                reply = _encode(fn(request["completion"], **request["row"]))
+                row = keywords_for(fn, request["row"], request.get("record") or {})
+                reply = _encode(fn(request["completion"], **row))
         except MemoryError:
             reply = {"error": _memory_message(config)}
         except BaseException as err:  # noqa: BLE001  isolated to this call

@@ -1,6 +1,9 @@
-"""Reward composition: verifiers, user functions (`module:function`) and reward models, weighted.
+"""Reward composition: verifiers, user functions (`module:function`), reward models and the
+environment's own reward, weighted.
 
-A `RewardSource` maps (completions, examples) to one float per completion. `CombinedReward`
+A `RewardSource` maps (completions, examples) to one float per completion; a source that reads
+whole episodes (`reads_records`) also gets each row's `EpisodeRecord` (gspo.tasks.record: the
+transcript, the tool calls, the environment's info and reward) as `records`. `CombinedReward`
 sums weighted sources into `RewardResult(total [N], per_source {name: [N]})`, the per-source
 values unweighted so they can be logged as `reward/<name>`. `build_rewards(specs, task)` builds
 one from config dicts through a registry of source types (function sources optionally in the
@@ -25,6 +28,7 @@ from gspo.tasks import Example, Task
 from gspo.tasks.base import call_kwargs, to_reward
 from gspo.rewards.sandbox import Limits, SandboxedFunction
 from gspo.tasks.custom import load_function
+from gspo.tasks.record import EpisodeRecord, keywords_for
 from gspo.tasks.verifiers import math_equal, math_verify, think_format
 
 
@@ -35,6 +39,20 @@ class RewardSource(Protocol):
     name: str
 
     def __call__(self, completions: list[str], examples: list[Example]) -> list[float]: ...
+
+
+def records_or_single(completions: list[str], records: list[EpisodeRecord] | None
+                      ) -> list[EpisodeRecord]:
+    """The rows' episode records; single-turn rows (None) as their one assistant turn."""
+    return records if records is not None else [EpisodeRecord.single(c) for c in completions]
+
+
+def score(source, completions: list[str], examples: list[Example],
+          records: list[EpisodeRecord] | None) -> list[float]:
+    """``source``'s values, handing it the records when it reads them (``reads_records``)."""
+    if getattr(source, "reads_records", False):
+        return source(completions, examples, records)
+    return source(completions, examples)
 
 
 @dataclass
@@ -62,20 +80,29 @@ class VerifierReward:
 
 
 class FunctionReward:
-    """A user function `fn(completion, prompt=..., answer=..., **data) -> float`."""
+    """A user function `fn(completion, prompt=..., answer=..., **data) -> float`; one that names
+    `transcript`, `tool_calls` or `info` as parameters gets them from the row's episode record."""
 
     per_sample = True
+    reads_records = True
 
     def __init__(self, fn: str | Callable, *, name: str | None = None):
         self.spec = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
         self.fn = load_function(fn) if isinstance(fn, str) else fn
         self.name = name or self.spec.replace(":", ".")
 
-    def __call__(self, completions: list[str], examples: list[Example]) -> list[float]:
-        return [
-            to_reward(self.fn(c, prompt=ex.prompt, answer=ex.answer, **ex.data), f"function {self.spec!r}")
-            for c, ex in zip(completions, examples)
-        ]
+    def __call__(self, completions: list[str], examples: list[Example],
+                 records: list[EpisodeRecord] | None = None) -> list[float]:
+        return [to_reward(self.call(c, ex, rec), f"function {self.spec!r}")
+                for c, ex, rec in zip(completions, examples, records_or_single(completions, records))]
+
+    def call(self, completion: str, example: Example, record: EpisodeRecord):
+        """The function on one row: in a sandbox worker, which picks the record's fields the
+        function names, or here with the same choice (``keywords_for``)."""
+        row = {"prompt": example.prompt, "answer": example.answer, **example.data}
+        if isinstance(self.fn, SandboxedFunction):
+            return self.fn.score(completion, row, record.keywords())
+        return self.fn(completion, **keywords_for(self.fn, row, record.keywords()))
 
 
 class ModelReward:
@@ -156,6 +183,24 @@ class ThinkFormatReward:
         return [think_format(c) for c in completions]
 
 
+class EnvReward:
+    """The environment's own reward of each finished episode (``Environment.reward()``)."""
+
+    per_sample = True
+    reads_records = True
+    needs_episode = True
+    """Scores only rows that ran an episode (nothing to probe on demonstrations)."""
+
+    def __init__(self, *, name: str = "env"):
+        self.name = name
+
+    def __call__(self, completions: list[str], examples: list[Example],
+                 records: list[EpisodeRecord] | None = None) -> list[float | None]:
+        if records is None:
+            raise ValueError("reward type 'env' needs a multi-turn episode (multiturn.env)")
+        return [rec.reward for rec in records]   # None: the environment gave none (a failure)
+
+
 class CombinedReward:
     """Weighted sum of reward sources."""
 
@@ -174,14 +219,15 @@ class CombinedReward:
     def weights(self) -> dict[str, float]:
         return {s.name: w for s, w in self.sources}
 
-    def __call__(self, completions: list[str], examples: list[Example]) -> RewardResult:
+    def __call__(self, completions: list[str], examples: list[Example],
+                 records: list[EpisodeRecord] | None = None) -> RewardResult:
         n = len(completions)
         if len(examples) != n:
             raise ValueError(f"got {n} completions but {len(examples)} examples")
         total = torch.zeros(n, dtype=torch.float32)  # [N]
         per_source = {}
         for source, weight in self.sources:
-            values = source(completions, examples)
+            values = score(source, completions, examples, records)
             if len(values) != n:
                 raise ValueError(f"reward source {source.name!r} returned {len(values)} values for {n} completions")
             r = torch.tensor(values, dtype=torch.float32)  # [N]
@@ -234,6 +280,11 @@ def _model(
 @register_source("math")
 def _math(task: Task | None, *, name: str = "math") -> RewardSource:
     return MathReward(name=name)
+
+
+@register_source("env")
+def _env(task: Task | None, *, name: str = "env") -> RewardSource:
+    return EnvReward(name=name)
 
 
 @register_source("think_format")

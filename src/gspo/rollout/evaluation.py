@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gspo.rewards.isolation import correct_all
 from gspo.rollout import engines
+from gspo.rollout.episodes import Episode, SingleTurn
 from gspo.rollout.generate import RolloutBatch, SamplingParams
 from gspo.tasks import Example, Task
 
@@ -54,23 +55,23 @@ def _batches(items: list, size: int):
 
 
 def sample_batch(engine: engines.Engine, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
-                 params: SamplingParams, episode=None, **kwargs) -> RolloutBatch:
-    """Responses to ``examples`` through ``engine``; with an ``episode`` (multi-turn), whole
-    trajectories through it, the final turn scored."""
-    if episode is not None:
-        return episode(engine, tokenizer, examples, params, group_size=kwargs.get("group_size", 1),
-                       seed=kwargs.get("seed"), with_logprobs=False)
-    return engines.generate_batch(engine, tokenizer, examples, params, **kwargs)
+                 params: SamplingParams, episode: Episode, *, group_size: int = 1,
+                 seed: int | None = None) -> RolloutBatch:
+    """Responses to ``examples`` through ``engine`` and the run's ``episode`` (multi-turn: whole
+    trajectories, the final turn scored)."""
+    return episode(engine, tokenizer, examples, params, group_size=group_size, seed=seed,
+                   with_logprobs=False)
 
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
              examples: list[Example], *, max_new_tokens: int, k: int = 4, temperature: float = 1.0,
              batch_size: int = 256, seed: int = 0, engine: engines.Engine | None = None,
-             episode=None) -> EvalResult:
+             episode: Episode | None = None) -> EvalResult:
     """Greedy accuracy plus k-sample pass@1 / pass@k on ``examples`` (deterministic in seed),
     sampled through ``engine`` (its weights ``model``'s; None: an hf engine on ``model``), and
-    through ``episode`` when given (multi-turn: whole trajectories)."""
+    through the run's ``episode`` (None: single turn)."""
     engine = engine or engines.build("hf", model, tokenizer)
+    episode = episode or SingleTurn()
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     correct, rewards, lengths, per_prompt = [], [], [], []

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gspo.core.logprobs import position_ids_from_mask
 from gspo.core.trajectory import Trajectories
 from gspo.tasks import Example
+from gspo.tasks.record import EpisodeRecord
 
 
 @dataclass
@@ -38,16 +39,21 @@ class SamplingParams:
 @dataclass
 class RolloutBatch(Trajectories):
     """A ``Trajectories`` batch (gspo.core.trajectory: the tensors) with its per-row text beside
-    it: the decoded responses, the prompts' examples and, once scored, their correctness."""
+    it: the decoded responses, the prompts' examples, each row's episode record (multi-turn) and,
+    once scored, their correctness."""
     completions: list[str]         # N decoded responses (without EOS)
     examples: list[Example]        # N, the prompt's example repeated G times
+    records: list[EpisodeRecord] | None = field(default=None, kw_only=True)
+    """N episode records (transcript, tool calls, info, the environment's reward) for the
+    rewards; None for single-turn rows (each is its completion, ``EpisodeRecord.single``)."""
     correct: torch.Tensor | None = field(default=None, kw_only=True)
     """[N] bool on CPU, task.is_correct once scored (not kept by ``select``)."""
 
     def rows(self, index: torch.Tensor) -> dict:
         idx = index.tolist()
+        records = None if self.records is None else [self.records[i] for i in idx]
         return {**super().rows(index), "completions": [self.completions[i] for i in idx],
-                "examples": [self.examples[i] for i in idx], "correct": None}
+                "examples": [self.examples[i] for i in idx], "records": records, "correct": None}
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,8 @@ from gspo.models.presets import (ADAPTER_CONFIG, adapter_base, build_char_tokeni
                                  preset_config)
 from gspo.observe.trackers import check_available
 from gspo.rewards.isolation import IsolatedSource
-from gspo.rollout import engines, remote
+from gspo.rollout import engines
+from gspo.rollout.engines import ray_cluster
 from gspo.rollout.data import FILE_TASKS
 from gspo.training.checkpoint import list_checkpoints
 from gspo.training.lora import check_targets
@@ -156,7 +157,7 @@ def check_placement(cfg) -> None:
     the generators' CPUs and GPUs within its resources (or this machine's, for the local cluster
     started for the run)."""
     if cfg.rollout.placement == "ray":
-        remote.check(remote.RaySpec.of(cfg.rollout, cfg.run.threads))
+        ray_cluster.check(ray_cluster.RaySpec.of(cfg.rollout, cfg.run.threads))
 
 
 def check_trackers(cfg) -> None:
@@ -261,8 +262,8 @@ def check_rewards(rewards, examples: list) -> None:
     is reported now instead of failing mid-run or silently scoring every sample 0."""
     probe = examples[:PROBES]
     for source, _ in getattr(rewards, "sources", []):
-        if not isinstance(source, IsolatedSource) or not probe:
-            continue
+        if not isinstance(source, IsolatedSource) or not probe or source.needs_episode:
+            continue                   # (the environment's reward exists once an episode ran)
         _, faults = source([ex.answer for ex in probe], probe)
         if faults and (len(faults) == len(probe) or rewards.on_error == "fail"):
             i, reason = next(iter(faults.items()))

@@ -41,7 +41,8 @@ from gspo.core.advantages import GAE_FORMULA, best_worst_pairs, formula, gae, wh
 from gspo.core.objectives import dpo_loss, sequence_logprobs
 from gspo.core.trajectory import scored_mask
 from gspo.core.value import Critic, explained_variance, value_loss
-from gspo.rollout.collect import DataCursor, minibatch_seed, split_minibatches
+from gspo.core.plan import minibatch_seed, split_minibatches
+from gspo.rollout.collect import DataCursor
 from gspo.rollout.generate import RolloutBatch, demonstration_batch
 from gspo.training.cold_start import sft_loss
 from gspo.training.optim import MinibatchSteps, build_optimizer, build_scheduler

@@ -68,7 +68,9 @@ from safetensors.torch import save as safetensors_bytes
 
 from gspo.errors import UserError
 from gspo.rewards.isolation import isolated_rewards
-from gspo.rollout.collect import Collector, minibatch_seed, split_minibatches
+from gspo.rollout import engines
+from gspo.core.plan import minibatch_seed, split_minibatches
+from gspo.rollout.collect import Collector
 from gspo.training.passes import LogprobPasses
 
 DONE = "done"
@@ -197,7 +199,7 @@ def sampler_is_behaviour(cfg, worker: Collector, passes: LogprobPasses) -> bool:
     they are a mismatched sampler's, kept as such), and the logits stack ``generate`` keeps for
     them within ``SAMPLER_LOGPROBS_BYTES``."""
     r, t = cfg.rollout, cfg.train
-    if (r.engine != "hf" or r.dtype != "model" or r.async_ratio != "behaviour" or passes.is_moe
+    if (not engines.capabilities(r.engine).trainer_logprobs or r.dtype != "model" or r.async_ratio != "behaviour" or passes.is_moe
             or t.old_logprobs != "recompute" or t.log_rollout_logprobs
             or t.rollout_correction.mode != "none"):
         return False
@@ -226,9 +228,7 @@ class ThreadWorker:
         model = copy.deepcopy(collector.model).requires_grad_(False)
         # the worker shares config, task and rewards, and a shared engine (vllm); owns its policy,
         # data cursor and any other engine (hf: built on its policy at its first batch)
-        worker = copy.copy(collector)
-        worker.model, worker.cursor = model, copy.deepcopy(collector.cursor)
-        worker.engine = collector.worker_engine()
+        worker = collector.for_worker(model)
         passes = copy.copy(passes)               # its log-prob passes run on its own policy
         passes.model = model
         self._thread = threading.Thread(
@@ -276,16 +276,18 @@ class ThreadWorker:
 class WorkerSpec:
     """What the child process builds its collector and log-prob passes from (pickled once)."""
     cfg: object
-    parts: dict                 # the Collector's fields but its rewards and engines (model on CPU)
+    parts: dict                 # the Collector's fields but its rewards (no engine, model on CPU)
     passes: LogprobPasses       # its model is set to the child's policy
     device: str
     step: int
     skip_rows: bool
 
     def build(self) -> tuple[Collector, LogprobPasses]:
-        model = self.parts["model"].to(self.device).requires_grad_(False)
+        host = self.parts["host"]
+        model = host.model.to(self.device).requires_grad_(False)
         rewards = isolated_rewards(self.cfg.rewards, self.parts["task"])   # (may hold threads)
-        collector = Collector(**{**self.parts, "model": model, "rewards": rewards, "engine": None})
+        collector = Collector(**{**self.parts, "host": dataclasses.replace(host, model=model),
+                                 "rewards": rewards})
         self.passes.model = model
         return collector, self.passes
 
@@ -316,12 +318,12 @@ class ProcessWorker:
         ctx = _context()
         self._device = str(collector.device)
         model = collector.model if self._device == "cpu" else copy.deepcopy(collector.model).cpu()
-        parts = {f.name: getattr(collector, f.name) for f in dataclasses.fields(collector)
-                 if f.name not in ("rewards", "engine", "evaluator")}
+        sent = collector.for_process(model)
+        parts = {f.name: getattr(sent, f.name) for f in dataclasses.fields(sent)
+                 if f.name != "rewards"}
         passes = copy.copy(passes)
         passes.model = None
-        spec = WorkerSpec(cfg, {**parts, "model": model, "cursor": copy.deepcopy(collector.cursor)},
-                          passes, self._device, step, skip_rows)
+        spec = WorkerSpec(cfg, parts, passes, self._device, step, skip_rows)
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         alive, self._alive = ctx.Pipe(duplex=False)   # only this process holds the writing end
         # the spec as bytes: multiprocessing's own pickler would hand the child the policy's
@@ -377,7 +379,9 @@ def _packed_spec(spec: WorkerSpec) -> bytes:
     try:
         return _packed(spec)
     except Exception as err:  # noqa: BLE001  pickle raises TypeError, AttributeError, PicklingError...
-        parts = {**spec.parts, "passes": spec.passes}
+        host = spec.parts["host"]             # the policy and the tokenizer, named as such
+        parts = {**spec.parts, "model": host.model, "tokenizer": host.tokenizer,
+                 "host": host, "passes": spec.passes}
         bad = [name for name, part in parts.items() if not _pickles(part)] or ["config"]
         raise UserError(f"rollout.async_worker=process: the worker's copy of the {bad[0]} cannot "
                         f"be pickled ({type(err).__name__}: {err}); set rollout.async_worker=thread"

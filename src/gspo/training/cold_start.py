@@ -29,7 +29,7 @@ from gspo.rollout.generate import demonstration_batch
 from gspo.storage import writing
 from gspo.tasks import Example
 from gspo.training import lora
-from gspo.training.episodes import build_episode
+from gspo.rollout import episodes
 from gspo.training.optim import build_optimizer, build_scheduler
 
 DONE_FILE = "sft.json"
@@ -145,9 +145,9 @@ def save_cold_start(model, tokenizer, cache_dir: str | Path, key: str, info: dic
 def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True, episode=None):
     """The policy RL starts from: model.path, or a preset cold-started by SFT (cached).
     Returns (model on its device, tokenizer, what it is: source, SFT steps and loss, checkpoint).
-    ``episode``: the run's (``build_episode(cfg)`` when not given), whose demonstrations the SFT
+    ``episode``: the run's (``episodes.build`` of rollout.episode when not given), whose demonstrations the SFT
     trains on (multi-turn: through the environments)."""
-    episode = episode if episode is not None else build_episode(cfg)
+    episode = episode if episode is not None else episodes.build(cfg.rollout.episode, cfg)
     dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
     tokenizer = getattr(task, "tokenizer", None)  # the one the data was checked with (rollout.data)
     if cfg.model.path:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from gspo.errors import UserError, WriteFailed
 from gspo.observe import reductions
-from gspo.rollout.collect import split_minibatches
+from gspo.core.plan import split_minibatches
 
 RANK_SEED_STRIDE = 1 << 40
 """Rank r samples with seed(step) + r·stride: ranks draw different tokens; rank 0 the 1-process seed."""

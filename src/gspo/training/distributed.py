@@ -18,7 +18,7 @@ in three parts by what they do:
 
 ``Dist`` extends ``Ranks`` rather than holding one because the step and the collector are handed
 one object and see it through their own narrow Protocols (``Ranks`` in gspo.training.step,
-``Shards`` in gspo.rollout.collect, ``Forwards`` in gspo.training.passes). One process (no
+``Shards`` in gspo.rollout.shares, ``Forwards`` in gspo.training.passes). One process (no
 torchrun, or K = 1) is ``Dist()``: every helper returns its input or does what the trainer did
 before, so single-process runs are bit-identical.
 

@@ -39,7 +39,7 @@ from gspo.observe import diagnostics
 from gspo.observe.records import UpdateRecord
 from gspo.observe.timing import StepTimer, breakdown
 from gspo.rewards.isolation import correct_all
-from gspo.rollout.collect import minibatch_seed
+from gspo.core.plan import minibatch_seed
 from gspo.rollout.generate import RolloutBatch
 from gspo.training import lora
 from gspo.training.algorithms import Algorithm

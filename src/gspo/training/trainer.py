@@ -32,6 +32,7 @@ from gspo.observe.records import Recorder
 from gspo.observe.samples import SampleWriter
 from gspo.observe.timing import PARTS, breakdown
 from gspo.rewards.isolation import isolated_rewards
+from gspo.rollout import episodes
 from gspo.rollout.collect import Collector, DataCursor
 from gspo.rollout.data import build_task, eval_examples
 from gspo.rollout.evaluation import EvalResult, evaluate
@@ -41,7 +42,6 @@ from gspo.storage import write_atomic, writing
 from gspo.training.checkpoint import load_latest
 from gspo.training.batch_source import build_source
 from gspo.training.cold_start import initial_policy, prepare_policy
-from gspo.training.episodes import build_episode
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
 from gspo.training.rundir import RunLock, claim
@@ -69,7 +69,7 @@ class Trainer:
         self.val_set = [] if self.dist.enabled and cfg.dist.strategy == "fsdp" else \
             selection_examples(self.task, cfg)     # []: no best checkpoint (fsdp: not gathered)
         self.rewards = isolated_rewards(cfg.rewards, self.task)
-        self.episode = build_episode(cfg)           # single turn, or multiturn's tool loop
+        self.episode = episodes.build(cfg.rollout.episode, cfg)   # single turn, tool loop...
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -112,9 +112,10 @@ class Trainer:
         self.algorithm.setup(algorithms.PolicyParts(
             self.model, self.tokenizer, self.optimizer, self.scheduler, self.device, self.train_set,
             self.ref_model, passes, self.dist))     # ppo: the critic, from the policy
-        self.collector = Collector(cfg, self.model, self.tokenizer, self.task, self.train_set,
-                                   self.cursor, self.rewards, self.dist, self.device,
-                                   episode=self.episode)
+        self.collector = Collector.create(
+            cfg=cfg, model=self.model, tokenizer=self.tokenizer, task=self.task,
+            train_set=self.train_set, cursor=self.cursor, rewards=self.rewards, shards=self.dist,
+            device=self.device, episode=self.episode)
         recorder = Recorder.for_run(cfg, self.run_dir, self.model, self.tokenizer,
                                     self.collector.sampling)
         self.rollouts = build_source(cfg, self.collector, passes, log=self.log,  # now, or ahead
@@ -195,14 +196,15 @@ class Trainer:
         e = self.cfg.eval
         examples = self.test_set if examples is None else examples
         with self.rollouts.rng_lock:                    # async: not while the worker samples
-            engine = self.collector.eval_engine()       # vllm: the same engine; hf: the policy
-            with self.collector.gathered(engine):       # (every rank: fsdp gathers, vllm syncs)
+            host = self.collector.host
+            engine = host.eval_engine()                 # vllm: the same engine; hf: the policy
+            with host.gathered(engine):                 # (every rank: fsdp gathers, vllm syncs)
                 return self.dist.on_main(lambda: evaluate(
                     self.model, self.tokenizer, self.task, examples,
                     max_new_tokens=self.cfg.rollout.max_new_tokens, k=e.k,
                     temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
-                    engine=engine, episode=None if self.cfg.multiturn.env is None else self.episode),
-                    alongside=self.collector.engine_group() if engine is self.collector.engine
+                    engine=engine, episode=self.episode),
+                    alongside=self.collector.shares.engine_group() if engine is host.engine
                     else 1)                           # (hf on the policy: rank 0 alone)
 
     def wall(self) -> float:
@@ -226,8 +228,7 @@ class Trainer:
                 self.rollouts.close()                        # async: the worker stopped and joined
             if getattr(self, "collector", None) is not None:
                 self.collector.close()                       # vllm: its engine core released
-            if hasattr(self.episode, "close"):
-                self.episode.close()                         # multiturn: the tools' sandboxes
+            self.episode.close()                             # multiturn: the tools' sandboxes
             if self.run_lock is not None:   # another process may write this run now
                 self.run_lock.release()
 

@@ -32,253 +32,29 @@ with the trainer (the collector and gspo.training.batch_source). ``ray`` is impo
 when an engine is built. Shapes: P prompts, G responses per prompt, N = P·G rows, T positions.
 """
 
+
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.util
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from typing import Mapping
 
 import torch
 
-from gspo.errors import EXIT_USAGE, UserError
-from gspo.rollout import engines
+from gspo.errors import UserError
+from gspo.rollout.engines.base import Capabilities, Engine, capabilities, check
+from gspo.rollout.engines.base import build as build_engine
+from gspo.rollout.engines.ray_cluster import (ClusterUnavailable, LocalCluster, RaySpec,
+                                             check_resources, free_port, watch_cluster)
+from gspo.rollout.engines.weights import Entry, aliases, bucket_bytes, buckets, pack, unpack
 from gspo.rollout.generate import Samples, SamplingParams
 
-BUCKET_BYTES = 64 << 20
-"""Most bytes one broadcast carries: per-tensor overhead, not bandwidth, is what a sync of many
-small tensors costs (docs/performance.md, Weight sync)."""
-ALIGN = 64
-"""Each tensor's bytes start at a multiple of this in its bucket (a dtype view needs it)."""
 GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 """How long a broadcast waits for the other side of a weight group."""
 MAX_RESTARTS = 3
 """Replacements of one generator within one call before the run gives up (the cluster is sick)."""
-CLUSTER_SILENCE_S = 10.0
-"""How long the cluster's GCS may refuse connections before the run ends (``watch_cluster``)."""
-OBJECT_STORE_BYTES = 256 << 20
-"""A local cluster's object store: samples and prompts only; the weights never go through it."""
-
-
-class ClusterUnavailable(UserError):
-    """No Ray, no cluster at the address, or too few resources for the generators: one line."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RaySpec:
-    """Where the generators run and on what (the rollout.* keys of rollout.placement=ray)."""
-    generators: int = 1
-    cpus: float = 1.0
-    gpus: float = 0.0
-    address: str | None = None
-    threads: int = 1
-    """torch threads of each generator."""
-
-    @classmethod
-    def of(cls, rollout, threads: int) -> "RaySpec":
-        """From a rollout config section (any object with its fields); ``threads``: run.threads
-        (0: the generator's CPUs, rounded down)."""
-        return cls(rollout.generators, rollout.generator_cpus, rollout.generator_gpus,
-                   rollout.ray_address, threads or max(1, int(rollout.generator_cpus)))
-
-
-# ---------------------------------------------------------------------------- checks
-def check(spec: RaySpec) -> None:
-    """ClusterUnavailable (one line) unless ray is installed, the cluster answers and it has the
-    resources the generators ask for; before anything is built (the preflight's)."""
-    if importlib.util.find_spec("ray") is None:
-        raise ClusterUnavailable("rollout.placement=ray needs the ray package, which is not "
-                                 "installed: pip install 'gspo[ray]'")
-    if spec.address is None:
-        have = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
-        check_resources(spec, have, "this machine (the local cluster started for the run)")
-        return
-    host, port = parse_address(spec.address)
-    try:
-        socket.create_connection((host, port), timeout=3.0).close()
-    except OSError as err:
-        raise ClusterUnavailable(f"rollout.ray_address={spec.address}: no Ray cluster answers "
-                                 f"there ({err.strerror or err}); start one with `ray start "
-                                 f"--head`, or leave rollout.ray_address unset for a local "
-                                 f"cluster") from None
-    import logging
-    import ray
-    if ray.is_initialized():
-        return
-    try:
-        ray.init(address=spec.address, logging_level=logging.WARNING, log_to_driver=False)
-        check_resources(spec, ray.cluster_resources(), f"the Ray cluster at {spec.address}")
-    except UserError:
-        raise
-    except Exception as err:  # noqa: BLE001  ray raises ConnectionError, RuntimeError...
-        raise ClusterUnavailable(f"rollout.ray_address={spec.address}: cannot join the Ray "
-                                 f"cluster there ({type(err).__name__}: {err})") from None
-    finally:
-        ray.shutdown()
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """host, port of a ``host:port`` address (a Ray client's ray:// is not served)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
-        raise ClusterUnavailable(f"rollout.ray_address={address!r}: expected host:port (the GCS "
-                                 f"address `ray start --head` prints, e.g. 10.0.0.1:6379)")
-    return host, int(port)
-
-
-def check_resources(spec: RaySpec, have: Mapping[str, float], where: str) -> None:
-    """The generators' CPUs and GPUs fit in ``have`` (resource -> amount) of ``where``."""
-    for name, each in (("CPU", spec.cpus), ("GPU", spec.gpus)):
-        need = spec.generators * each
-        if need > have.get(name, 0.0) + 1e-9:
-            key = "generator_cpus" if name == "CPU" else "generator_gpus"
-            raise ClusterUnavailable(
-                f"rollout.generators={spec.generators} x rollout.{key}={each:g} = {need:g} "
-                f"{name}s, but {where} has {have.get(name, 0.0):g}: use fewer generators or "
-                f"fewer {name}s each")
-
-
-# ---------------------------------------------------------------------------- the cluster
-class LocalCluster:
-    """A head node on 127.0.0.1 started for the run in a temporary folder, ended by its keeper
-    (gspo.rollout.ray_keeper) when ``stop`` closes the keeper's pipe or the trainer dies."""
-
-    def __init__(self, cpus: float, gpus: float):
-        self.temp_dir = tempfile.mkdtemp(prefix="gspo-ray-", dir="/tmp")  # short: socket paths
-        self.port = free_port()
-        self.keeper = subprocess.Popen(
-            [sys.executable, "-m", "gspo.rollout.ray_keeper", self.temp_dir, str(self.port),
-             str(int(max(1, round(cpus)))), str(int(gpus)), str(OBJECT_STORE_BYTES)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        said = self.keeper.stdout.readline().decode().strip()
-        if said != "ready":
-            self.stop()
-            raise ClusterUnavailable(f"rollout.placement=ray: the local Ray cluster did not start "
-                                     f"({said or 'its keeper exited'})")
-        self.address = f"127.0.0.1:{self.port}"
-
-    @property
-    def pgid(self) -> int:
-        """The process group of the cluster's daemons (the keeper's)."""
-        return self.keeper.pid
-
-    def stop(self) -> None:
-        """End the cluster and wait for it; its temporary folder removed."""
-        if self.keeper.poll() is None:
-            self.keeper.stdin.close()
-            try:
-                self.keeper.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.keeper.kill()
-                self.keeper.wait()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def watch_cluster(address: str) -> threading.Event:
-    """A daemon thread, until the event returned is set, that ends this process with one line and exit 2 once the cluster's GCS at
-    ``address`` has refused connections for ``CLUSTER_SILENCE_S``. Without it Ray's core worker
-    ends the trainer itself, 60 s after losing the GCS, with exit 1 and a screen of logs (Ray
-    2.60, measured). The process ends at once (``os._exit``): a local cluster's keeper sees its
-    pipe close and ends what is left of the cluster; the run resumes from its last checkpoint."""
-    host, port = parse_address(address)
-
-    stop = threading.Event()
-
-    def watch():
-        silent = 0.0
-        while not stop.wait(1.0):
-            try:
-                socket.create_connection((host, port), timeout=1.0).close()
-                silent = 0.0
-            except OSError:
-                silent += 1.0
-            if silent >= CLUSTER_SILENCE_S:
-                print(f"gspo: error: rollout.placement=ray: the Ray cluster at {address} stopped "
-                      f"answering ({silent:.0f} s); start it again and continue from the last "
-                      f"checkpoint with gspo train --resume RUN_DIR", file=sys.stderr, flush=True)
-                os._exit(EXIT_USAGE)
-    threading.Thread(target=watch, daemon=True, name="gspo-ray-watch").start()
-    return stop
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------- weight groups
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One tensor of the weights, as both sides lay it out."""
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int                 # in its bucket, bytes
-    nbytes: int
-
-
-def aliases(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """name -> the earlier name of the same tensor (tied embeddings: ``lm_head.weight`` is
-    ``model.embed_tokens.weight``): sent once, set under both names."""
-    seen, out = {}, {}
-    for name, t in weights.items():
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-        if key in seen:
-            out[name] = seen[key]
-        else:
-            seen[key] = name
-    return out
-
-
-def buckets(weights: Mapping[str, torch.Tensor], limit: int | None = None
-            ) -> list[list[Entry]]:
-    """The weights' tensors in order (an alias left out), dealt into buckets of at most
-    ``limit`` bytes (default ``BUCKET_BYTES``; a larger tensor alone in one), each tensor at an
-    ``ALIGN``-ed offset."""
-    limit = BUCKET_BYTES if limit is None else limit
-    skip = aliases(weights)
-    out, current, size = [], [], 0
-    for name, t in weights.items():
-        if name in skip:
-            continue
-        nbytes = t.numel() * t.element_size()
-        offset = -(-size // ALIGN) * ALIGN
-        if current and offset + nbytes > limit:
-            out.append(current)
-            current, offset = [], 0
-        current.append(Entry(name, tuple(t.shape), t.dtype, offset, nbytes))
-        size = offset + nbytes
-    return out + ([current] if current else [])
-
-
-def bucket_bytes(bucket: list[Entry]) -> int:
-    return bucket[-1].offset + bucket[-1].nbytes
-
-
-def pack(bucket: list[Entry], weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The bucket's tensors as one uint8 CPU tensor (a lone tensor: its own bytes, no copy)."""
-    if len(bucket) == 1:
-        return weights[bucket[0].name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    buf = torch.empty(bucket_bytes(bucket), dtype=torch.uint8)
-    for e in bucket:
-        buf[e.offset:e.offset + e.nbytes] = weights[e.name].detach().cpu().contiguous() \
-            .reshape(-1).view(torch.uint8)
-    return buf
-
-
-def unpack(bucket: list[Entry], buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Views of ``buf`` as the bucket's tensors."""
-    return {e.name: buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in bucket}
 
 
 def group(host: str, port: int, rank: int) -> "torch.distributed.ProcessGroupGloo":
@@ -298,7 +74,7 @@ class Generator:
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)   # weights: the first sync
-        self.engine = engines.build(engine, model.eval().requires_grad_(False), tokenizer,
+        self.engine = build_engine(engine, model.eval().requires_grad_(False), tokenizer,
                                     **options)
         self.layout: list[list[Entry]] = []
         self.buffers: list[torch.Tensor] = []
@@ -356,19 +132,23 @@ class Handle:
     pid: int
 
 
-class RayEngine(engines.Engine):
+def on_generators(name: str) -> Capabilities:
+    """Engine ``name``'s capabilities as generators on Ray: one set serves the trainer and a
+    thread worker (shared); in processes of their own, they join no process group of the
+    trainer's and their log-probs are never the trainer's own computation."""
+    return dataclasses.replace(capabilities(name), shared=True, joins_process_group=False,
+                               trainer_logprobs=False)
+
+
+class RayEngine(Engine):
     """The generators as one engine (module docstring). Shared: a thread worker of
     rollout.async samples through it (one set of generators per run)."""
-
-    shared = True
 
     def __init__(self, name: str, model, tokenizer, spec: RaySpec, **options):
         import ray
         self.ray, self.spec, self.name = ray, spec, name
-        inner = engines.spec(name)
-        engines.check(name, getattr(model.config, "model_type", None))
-        self.always_logprobs, self.own_kernels = inner.always_logprobs, inner.own_kernels
-        self.default_correction = inner.default_correction
+        check(name, getattr(model.config, "model_type", None))
+        self.capabilities = on_generators(name)
         self.pad_id = tokenizer.pad_token_id
         self.cluster, self.watch = None, None
         self.connect()
@@ -544,20 +324,16 @@ def stack(parts: list[Samples], pad_id: int) -> Samples:
                    torch.cat([p.truncated for p in parts]), logp)
 
 
-class RankZero(engines.Engine):
+class RankZero(Engine):
     """The generators for a ``torchrun`` trainer (dist.strategy=ddp): rank 0 holds the
     ``RayEngine`` and samples the prompts of every rank; each rank gets the samples (and the
     ray/* metrics) from rank 0 (``on_main``: a broadcast over the trainer's own process group, a
     failure on rank 0 raised on every rank), then keeps its own rows (the collector's engine
     group is the whole world). The weights go from rank 0's replica, every rank's under ddp."""
 
-    shared = True
-
     def __init__(self, name: str, engine: RayEngine | None, on_main):
         self.inner, self.on_main = engine, on_main       # engine: None off rank 0
-        kind = engines.spec(name)
-        self.always_logprobs, self.own_kernels = kind.always_logprobs, kind.own_kernels
-        self.seeds_per_prompt, self.default_correction = kind.seeds_per_prompt, kind.default_correction
+        self.capabilities = on_generators(name)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, params: SamplingParams,
                  seed: int | None = None, with_logprobs: bool = True) -> Samples:
@@ -580,7 +356,7 @@ class RankZero(engines.Engine):
             self.inner = None
 
 
-def build(name: str, model, tokenizer, spec: RaySpec, ranks=None, **options) -> engines.Engine:
+def build(name: str, model, tokenizer, spec: RaySpec, ranks=None, **options) -> Engine:
     """Generators of engine ``name`` on Ray for ``model`` (``options``: the engine's own, but
     initial ``weights``: a generator gets its weights by the first sync, not through Ray).
     ``ranks`` (gspo.training.collectives.Ranks) of a torchrun trainer: ``RankZero`` over them."""

@@ -22,19 +22,20 @@ included), 0 on observation tokens; every real token attends. Log-probs are the 
 policy tokens and exactly 0 on observation tokens, where nothing reads them (the loss mask is 0
 there). |y_i|, the GSPO length, is the policy's tokens. The sampler and the observation encoder
 are callables, so the loop is the same for any engine and any tokenizer (and tests script both).
+Each row also keeps its transcript and, once done, its environment's reward: ``Row.record()`` is
+what the rewards read of it (gspo.tasks.record). This module knows no engine, no tokenizer and no
+config: the tool-loop episode (``tool_loop``) drives it through an engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from gspo.envs import Environment, Observation, Turn
-from gspo.rollout.generate import RolloutBatch
-from gspo.rollout.turns import observation_ids
-from gspo.tasks import Example
+from gspo.tasks.record import EpisodeRecord
 
 ENDS = ("done", "no_eos", "turns", "budget")
 
@@ -80,10 +81,22 @@ class Row:
     drifted_turns: int = 0
     """Turns whose decode-then-encode gives other ids than the sampler's (kept: the sampler's)."""
     info: dict = field(default_factory=dict)
+    """The environment's ``Reply.info``, merged turn by turn."""
+    transcript: list[dict] = field(default_factory=list)
+    """The conversation after the prompt: each turn as an assistant message, each appended
+    observation as its messages (or {"role": "environment", "content": text})."""
+    reward: float | None = None
+    """The environment's own reward once the row ended (``Environment.reward()``), if any."""
 
     @property
     def final_turn(self) -> str:
         return self.turns[-1] if self.turns else ""
+
+    def record(self) -> EpisodeRecord:
+        """What the rewards read of this row (gspo.tasks.record)."""
+        return EpisodeRecord(transcript=tuple(self.transcript),
+                             tool_calls=tuple(self.info.get("calls", ())), info=dict(self.info),
+                             reward=self.reward, end=self.end or "done")
 
 
 def run_episodes(sample: Sampler, prompts: Sequence[list[int]], environments: Sequence[Environment],
@@ -106,7 +119,15 @@ def run_episodes(sample: Sampler, prompts: Sequence[list[int]], environments: Se
                          last=turn == budgets.max_turns - 1, encode=encode):
                 still.append(i)
         live = still
+    for row, env in zip(rows, environments):      # the environment's own reward, once done
+        row.reward = env_reward(env)
     return rows
+
+
+def env_reward(env: Environment) -> float | None:
+    """``env.reward()`` of a finished episode; None when the environment keeps none."""
+    reward = getattr(env, "reward", None)
+    return None if reward is None else reward()
 
 
 def take_turn(row: Row, env: Environment, ids: list[int], logp: list[float],
@@ -123,6 +144,7 @@ def take_turn(row: Row, env: Environment, ids: list[int], logp: list[float],
     body = ids[:-1] if ended else ids
     text = decode(body)
     row.turns.append(text)
+    row.transcript.append({"role": "assistant", "content": text})
     if encode is not None and encode(text) != body:
         row.drifted_turns += 1
     reply = env.step(Turn(text, ended=ended))
@@ -147,7 +169,15 @@ def take_turn(row: Row, env: Environment, ids: list[int], logp: list[float],
             row.policy += [0] * len(obs)
             row.logp += [0.0] * len(obs)
             row.observation_tokens += len(obs)
+            row.transcript += as_messages(reply.observation)
     return row.end is None
+
+
+def as_messages(obs: Observation) -> list[dict]:
+    """An observation as transcript messages: its chat messages, or its text as one message."""
+    if obs.text is not None:
+        return [{"role": "environment", "content": obs.text}]
+    return [dict(m) for m in obs.messages]
 
 
 def demonstrations(prompts: Sequence[list[int]], turns: Sequence[Sequence[str]],
@@ -216,143 +246,3 @@ def episode_metrics(rows: Sequence[Row]) -> dict[str, float]:
            "multiturn/retokenization_drift": sum(r.drifted_turns for r in rows) / max(1, turns)}
     out.update({f"multiturn/end_{end}": sum(r.end == end for r in rows) / n for end in ENDS})
     return out
-
-
-# ------------------------------------------------------------------------- through an engine
-def turns_of(samples) -> list[tuple[list[int], list[float]]]:
-    """An engine's ``Samples`` as per-row (ids, log-probs): each row's tokens up to and including
-    its EOS (all of them when it has none)."""
-    out = []
-    for n in range(samples.response_ids.shape[0]):
-        k = int(samples.response_mask[n].sum())
-        logp = samples.logp[n, :k].tolist() if samples.logp is not None else [0.0] * k
-        out.append((samples.response_ids[n, :k].tolist(), logp))
-    return out
-
-
-def engine_sampler(engine, params, seed: int | None) -> Sampler:
-    """A later-turn sampler over ``engine``: every live row its own context, one sample each, as
-    many new tokens as the roomiest row may take (each row then cut to its own room). Turn k's
-    seed is ``seed + k·TURN_SEED_STRIDE`` (so turns do not repeat turn 1's random draws)."""
-    calls = [0]
-
-    def sample(contexts, room, rows):
-        calls[0] += 1
-        turn_seed = None if seed is None else seed + calls[0] * TURN_SEED_STRIDE
-        got = engine.generate(contexts, 1, replace(params, max_new_tokens=max(room)), seed=turn_seed,
-                              with_logprobs=True)
-        return [(ids[:r], logp[:r]) for (ids, logp), r in zip(turns_of(got), room)]
-
-    return sample
-
-
-TURN_SEED_STRIDE = 1_000_003  # a prime beyond any batch's prompt count
-
-
-def collect_episodes(engine, tokenizer, examples, group_size: int, params, make_env,
-                     observe: Callable[[Observation], list[int]], budgets: Budgets,
-                     seed: int | None = None):
-    """One multi-turn batch: turn 1 as a single-turn rollout samples it (G per prompt, prompts
-    shared), later turns through ``engine_sampler``; ``make_env(example)`` builds each row's
-    environment. Returns (the tensors of ``to_tensors`` plus ``completions`` (each row's final
-    turn) and ``examples``, the rows)."""
-    prompts = [tokenizer(ex.prompt)["input_ids"] for ex in examples]
-    first = turns_of(engine.generate(prompts, group_size, replace(
-        params, max_new_tokens=min(params.max_new_tokens, budgets.max_new_tokens, budgets.max_total_tokens)),
-        seed=seed, with_logprobs=True))
-    later = engine_sampler(engine, params, seed)
-    turn = [0]
-
-    def sample(contexts, room, rows):
-        turn[0] += 1
-        return [first[i] for i in rows] if turn[0] == 1 else later(contexts, room, rows)
-
-    rows_prompts = [p for p in prompts for _ in range(group_size)]
-    row_examples = [ex for ex in examples for _ in range(group_size)]
-    environments = [make_env(ex) for ex in row_examples]
-    encode, decode = codec(tokenizer)
-    rows = run_episodes(sample, rows_prompts, environments, observe, decode, tokenizer.eos_token_id,
-                        budgets, encode=encode)
-    batch = to_tensors(rows, tokenizer.pad_token_id)
-    batch.update(completions=[r.final_turn for r in rows], examples=row_examples)
-    return batch, rows
-
-
-# ---------------------------------------------------------------------------- the episode
-def codec(tokenizer) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
-    """(encode, decode) of a turn's or an observation's text with ``tokenizer``: no special tokens
-    added, none kept."""
-    return (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-
-
-def observer(tokenizer, template_kwargs: dict | None = None) -> Callable[[Observation], list[int]]:
-    """How observations become ids with ``tokenizer``: text encoded as is; messages rendered by its
-    chat template (with ``template_kwargs``) after the policy's end-of-turn token
-    (``gspo.rollout.turns``), refused without one."""
-    as_text = text_observer(codec(tokenizer)[0])
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-
-    def observe(obs: Observation) -> list[int]:
-        if obs.text is not None:
-            return as_text(obs)
-        if not has_template:
-            raise ValueError("the environment answered chat messages, but the tokenizer has no chat "
-                             "template: answer text (e.g. multiturn.call_format=bracket)")
-        return observation_ids(tokenizer, obs.messages, tokenizer.eos_token_id,
-                               template_kwargs=template_kwargs)
-
-    return observe
-
-
-def as_batch(batch: dict, device) -> RolloutBatch:
-    """``collect_episodes``' tensors and rows as a ``RolloutBatch`` on ``device``."""
-    return RolloutBatch(
-        input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-        response_mask=batch["response_mask"].to(device), truncated=batch["truncated"].to(device),
-        completions=batch["completions"], examples=batch["examples"],
-        rollout_logp=batch["rollout_logp"].to(device))
-
-
-@dataclass
-class ToolLoop:
-    """The multi-turn episode (``gspo.rollout.episodes``' second): every trajectory runs in its own
-    environment from ``make_env(example)`` under ``budgets``; ``metrics`` holds the last batch's
-    ``episode_metrics``. Each turn is sampled with its log-probs; the batch carries them only when
-    asked (``with_logprobs``), as the single turn does."""
-
-    make_env: Callable[[Example], Environment]
-    budgets: Budgets
-    metrics: dict = field(default_factory=dict)
-    runner: object = None
-    """The tools' runner the environments share (closed at the end of the run), if any."""
-    template_kwargs: dict = field(default_factory=dict)
-    """The chat template's extra variables (``task.chat_template_kwargs``) for tool turns."""
-
-    def close(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
-
-    def __call__(self, sampler, tokenizer, examples, params, *, group_size, seed,
-                 with_logprobs) -> RolloutBatch:
-        batch, rows = collect_episodes(sampler, tokenizer, examples, group_size, params,
-                                       self.make_env, observer(tokenizer, self.template_kwargs),
-                                       self.budgets, seed)
-        self.metrics = episode_metrics(rows)
-        out = as_batch(batch, sampler.device)
-        if not with_logprobs:   # sampled with them (each turn), handed on only when asked for
-            out.rollout_logp = None
-        return out
-
-    def demonstrations(self, tokenizer, examples, device) -> RolloutBatch:
-        """Multi-turn SFT rows of ``examples`` (their ``data["turns"]``, else the answer as one
-        turn) through their environments: the loss mask is the policy's turns only."""
-        prompts = [tokenizer(ex.prompt)["input_ids"] for ex in examples]
-        turns = [ex.data.get("turns") or [ex.answer] for ex in examples]
-        encode, decode = codec(tokenizer)
-        rows = demonstrations(prompts, turns, [self.make_env(ex) for ex in examples],
-                              observer(tokenizer, self.template_kwargs), encode, decode,
-                              tokenizer.eos_token_id, self.budgets)
-        batch = to_tensors(rows, tokenizer.pad_token_id)
-        batch.update(completions=[r.final_turn for r in rows], examples=list(examples))
-        return as_batch(batch, device)
