@@ -177,6 +177,7 @@ def cmd_eval(args) -> int:
         check_checkpoint("--checkpoint", args.checkpoint)
         task = build_task(cfg)
         prov = _provenance(cfg, "eval")
+        prov["hub"].update(provenance.hub_ids({"--checkpoint": args.checkpoint}))
         if args.out:
             provenance.write(args.out, prov)
     model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype], key="--checkpoint")

@@ -89,3 +89,10 @@ def test_parse_errors_reach_the_step_metrics():
         take_turn(row, env, [tok, eos], [0.0, 0.0], lambda obs: [7], lambda ids: text[ids[0]], eos,
                   Budgets(), last=False)
     assert episode_metrics(rows)["multiturn/tool_parse_errors"] == 0.5
+
+
+def test_a_template_without_a_tools_block_is_told_apart(qwen3):
+    from gspo.rollout.chat import renders_tools
+    from gspo.rollout.tokenization import build_bpe_tokenizer
+    chatml = build_bpe_tokenizer(["user q", "assistant a"], 300)      # the bpe preset's ChatML
+    assert renders_tools(qwen3, tool_schemas(TOOLS)) and not renders_tools(chatml, tool_schemas(TOOLS))

@@ -105,3 +105,12 @@ def test_dataset_task_needs_files_or_a_dataset():
     from gspo import tasks
     with pytest.raises(ValueError, match="needs task.train_file and task.test_file, or task.dataset"):
         tasks.build("dataset")
+
+
+def test_eval_of_a_cached_hub_checkpoint_records_its_revision(hf_cache, tmp_path, capsys):
+    out = tmp_path / "eval"
+    code = main(["eval", "--checkpoint", "gspo-test/tiny", "--out", str(out), "eval.n=2", "eval.k=1",
+                 "task.n_train=10", "task.n_test=4"])
+    assert code == 0, capsys.readouterr().err
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["hub"] == {"--checkpoint": {"id": "gspo-test/tiny", "revision": COMMIT}}

@@ -40,6 +40,15 @@ def row_tools(example: Example, default: list[dict] | None = None) -> list[dict]
     return tools or default or None
 
 
+def renders_tools(tokenizer, tools: list[dict], template_kwargs: dict | None = None) -> bool:
+    """Whether the chat template writes ``tools=`` into the prompt at all (ChatML without a tools
+    block ignores them)."""
+    talk = [{"role": "user", "content": "q"}]
+    kw = dict(template_kwargs or {})
+    return (tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True, tools=tools, **kw)
+            != tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True, **kw))
+
+
 def render(tokenizer, example: Example, system_prompt: str | None = None,
            template_kwargs: dict | None = None, tools: list[dict] | None = None) -> Example:
     """The example with its prompt rendered by the chat template, ready for the assistant's turn

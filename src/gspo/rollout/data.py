@@ -24,13 +24,14 @@ This module reads and checks data; it does not generate it.
 from __future__ import annotations
 
 import sys
+import warnings
 
 from transformers import AutoConfig, AutoTokenizer
 
 from gspo import tasks
 from gspo.envs.tools import tool_schemas
 from gspo.errors import UserError
-from gspo.rollout.chat import ChatTask
+from gspo.rollout.chat import ChatTask, renders_tools
 from gspo.hub import local_path
 from gspo.models.presets import preset_config
 from gspo.rewards.isolation import IsolatedTask, isolation_options, sandbox_limits
@@ -206,6 +207,9 @@ def build_task(cfg) -> CheckedTask:
             raise UserError(f"task.params: {err}") from None
     tokenizer_context = tokenizer_and_context(cfg, task.split("train"))
     if t.chat:
-        task = ChatTask(task, tokenizer_context[0], t.system_prompt, t.chat_template_kwargs,
-                        described_tools(cfg))
+        tools = described_tools(cfg)
+        if tools and not renders_tools(tokenizer_context[0], tools, t.chat_template_kwargs):
+            warnings.warn("multiturn.tools_in_prompt: the chat template does not render tools= "
+                          "(no tools block): the model is not told the tools exist")
+        task = ChatTask(task, tokenizer_context[0], t.system_prompt, t.chat_template_kwargs, tools)
     return prepare_task(task, cfg, tokenizer_context=tokenizer_context)

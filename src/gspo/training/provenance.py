@@ -193,13 +193,18 @@ def advantage_entry(algorithm) -> dict:
     return describe()
 
 
+def hub_ids(paths: dict) -> dict:
+    """``{key: {"id", "revision"}}`` for each of ``paths`` (key -> path) that is a hub id."""
+    return {key: {"id": path, "revision": hub.cached_revision(path)}
+            for key, path in paths.items() if hub.is_hub_id(path)}
+
+
 def hub_entry(cfg) -> dict:
     """``{key: {"id", "revision"}}`` for each Hugging Face hub id ``cfg`` loads a checkpoint or dataset from."""
     paths = {"model.path": cfg.model.path}
     paths.update({f"rewards.sources[{i}].path": s.path for i, s in enumerate(cfg.rewards.sources)
                   if s.type == "model"})
-    out = {key: {"id": path, "revision": hub.cached_revision(path)}
-           for key, path in paths.items() if hub.is_hub_id(path)}
+    out = hub_ids(paths)
     if cfg.task.name == "dataset" and hub.is_hub_id(cfg.task.dataset):
         out["task.dataset"] = {"id": cfg.task.dataset,
                                "revision": hub.cached_revision(cfg.task.dataset, "dataset")}
