@@ -96,3 +96,16 @@ def test_a_template_without_a_tools_block_is_told_apart(qwen3):
     from gspo.rollout.tokenization import build_bpe_tokenizer
     chatml = build_bpe_tokenizer(["user q", "assistant a"], 300)      # the bpe preset's ChatML
     assert renders_tools(qwen3, tool_schemas(TOOLS)) and not renders_tools(chatml, tool_schemas(TOOLS))
+
+
+@pytest.mark.parametrize("task, params", [("calculator", {"digits": 2, "call_fraction": 1.0}),
+                                          ("lookup", {})])
+def test_hermes_demonstrations_are_calls_the_hermes_format_runs(task, params):
+    from gspo import tasks
+    ex = tasks.build(task, n_train=4, n_test=1, call_format="hermes", **params).split("train")[0]
+    runner = ToolRunner(TOOLS)
+    reply = ToolEnv(ex, runner=runner, call_format="hermes").step(Turn(ex.data["turns"][0]))
+    assert reply.tool_calls == 1 and reply.tool_errors == 0 and reply.parse_errors == 0
+    assert "#" + reply.observation.messages[0]["content"] == ex.data["turns"][-1]
+    with pytest.raises(ValueError, match="call_format must be one of bracket, hermes"):
+        tasks.build(task, n_train=4, n_test=1, call_format="xml")
