@@ -308,7 +308,7 @@ def warnings_between(run: dict, now: dict) -> list[str]:
     ro, no = run.get("objective") or {}, now.get("objective") or {}
     if ro.get("paper") != no.get("paper") and ro and no:
         out.append(f"objective citation: {_fmt(ro.get('paper'))} -> {_fmt(no.get('paper'))}")
-    for key in ("advantage", "sampling"):
+    for key in ("advantage", "sampling", "hub"):   # hub: another commit of a hub id now cached
         if run.get(key) and now.get(key):
             diff = _changed("", _flat(run[key]), _flat(now[key]))
             if diff:
