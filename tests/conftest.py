@@ -185,8 +185,9 @@ def fresh(make_cfg, reward_module):
 
 @pytest.fixture(scope="module")
 def ray_without_auth():
-    """No token authentication for a Ray test cluster (it listens on 127.0.0.1 only); the
-    variable restored after the module."""
+    """No token authentication for a test's own ``ray.init`` (so nothing is written under
+    ~/.ray); the variable restored after the module. A local cluster started for a run uses the
+    run's token all the same (gspo.rollout.engines.ray_cluster.LocalCluster)."""
     before = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     yield

@@ -183,7 +183,7 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype], key="--checkpoint")
     model.to(resolve_device(cfg.model.device))
     tests = eval_examples(task, cfg)
-    episode = episodes.build(cfg.rollout.episode, cfg)   # multi-turn: whole trajectories
+    episode = episodes.build(cfg.rollout.episode, cfg, task)   # multi-turn: whole trajectories
     result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
                       k=cfg.eval.k, temperature=cfg.eval.temperature,
                       batch_size=cfg.eval.batch_size, seed=cfg.seed, episode=episode)

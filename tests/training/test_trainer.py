@@ -466,7 +466,7 @@ def test_a_rollback_keeps_the_newer_best(make_cfg, reward_module, monkeypatch):
 def test_a_failed_best_write_leaves_the_previous_best(tmp_path, monkeypatch):
     import errno
     from gspo.errors import WriteFailed
-    from gspo.training import trainer as trainer_module
+    from gspo.training import checkpoint
     folder = tmp_path / "best"
     folder.mkdir()
     (folder / "best.json").write_text('{"step": 1}')
@@ -474,8 +474,8 @@ def test_a_failed_best_write_leaves_the_previous_best(tmp_path, monkeypatch):
     def full_disk(model, tokenizer, path):
         Path(path, "model.safetensors").write_text("half")
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(trainer_module, "save_model", full_disk)
+    monkeypatch.setattr(checkpoint, "save_model", full_disk)
     with pytest.raises(WriteFailed):
-        trainer_module.save_weights(None, None, folder, {"step": 2})
-    assert trainer_module.kept_best(tmp_path) == {"step": 1}
+        checkpoint.save_weights(None, None, folder, {"step": 2})
+    assert checkpoint.kept_best(tmp_path) == {"step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]

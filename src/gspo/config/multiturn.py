@@ -33,6 +33,10 @@ class MultiTurnConfig(Section):
     """multiturn.sandbox: address-space limit of a tool's worker process."""
     on_tool_error: Literal["observe", "fail"] = "observe"
     """A tool that raises, hangs, exceeds its limits or gets bad arguments: observe (its error is the observation, counted in multiturn/tool_errors_mean) | fail (the run stops with the error)."""
+    on_env_error: Literal["fail", "end"] = "fail"
+    """A module:Class environment that raises, hangs or answers no Reply: fail (the run stops, one line) | end (its episode ends; multiturn/env_errors_mean)."""
+    env_timeout_s: float = Field(30.0, gt=0)
+    """Wall-clock limit of a module:Class environment's constructor and of each of its steps."""
     max_turns: int = Field(4, ge=1)
     """Policy turns per trajectory; a row whose last allowed turn still gets an answer ends 'turns'."""
     max_total_tokens: int = Field(256, ge=2)

@@ -10,8 +10,9 @@ and the rollout correction, the **loss mask** (``loss_mask``).
 Two masks, two jobs: ``response_mask`` is what the sampler generated (1 up to and including the
 first EOS): the response columns' attention and the length |y_i|. ``loss_mask`` is what the
 policy is trained on: the response mask without truncated responses (``train.mask_truncated``),
-dropped samples, or tokens the rollout correction masks. A tool loop's observation tokens would
-have response (attention) 1 and loss 0.
+dropped samples, or tokens the rollout correction masks. A tool loop's observation tokens are
+in neither: response 0 (the policy did not sample them; their columns still attend through
+``attention_mask``), so loss 0 too, and |y_i| counts the policy's tokens only.
 
 What it deliberately is not: text. Per-row metadata (decoded completions, the task's examples)
 lives beside it in ``gspo.rollout.generate.RolloutBatch``, which extends it.

@@ -66,6 +66,8 @@ class Reply:
     """Tool calls this turn that could not be parsed (malformed, unclosed)."""
     info: dict = field(default_factory=dict)
     """Anything else to keep with the trajectory (e.g. the calls, for reward functions)."""
+    error: str | None = None
+    """Set by ``gspo.envs.guard`` only: the environment failed (why, one line); the episode ends."""
 
 
 @runtime_checkable

@@ -142,3 +142,14 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     rows = [json.loads(line) for line in lines[:-1]]
     last = _parse(lines[-1]) if lines else None
     return rows + ([last] if last is not None else [])
+
+
+def report_progress(bar, row: dict, last_acc: float, steps: int, log=None) -> None:
+    """A step's figures on the progress ``bar``; with ``log`` (no bar shown), a line every 10
+    steps and at the last."""
+    done = row["step"]
+    bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.2f}", acc=f"{last_acc:.2f}",
+                    clip=f"{row.get('policy/clip_frac_tokens', float('nan')):.3f}")
+    if log is not None and (done % 10 == 0 or done == steps):
+        log(f"step {done}/{steps} reward {row.get('reward/mean', 0):.3f} "
+            f"held-out acc {last_acc:.3f} clip {row.get('policy/clip_frac_tokens', 0):.4f}")

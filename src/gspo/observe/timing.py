@@ -64,3 +64,14 @@ def breakdown(parts: dict[str, float], step_s: float) -> dict[str, float]:
     named = {p: parts.get(p, 0.0) for p in PARTS if p != "other"}
     return {**{f"time/{p}_s": v for p, v in named.items()},
             "time/other_s": max(step_s - sum(named.values()), 0.0), "time/step_s": step_s}
+
+
+def iteration_times(row: dict, elapsed_s: float, logging_s: float) -> None:
+    """Make a step's time/step_s the whole loop iteration (``elapsed_s``: guard hooks, the step,
+    and writing the previous row, ``logging_s``), the parts' shares beside it; a row without an
+    update is left alone. Evaluation and checkpoints (periodic) are left out."""
+    if "time/step_s" not in row:                   # no update this step
+        return
+    parts = {p: row.get(f"time/{p}_s", 0.0) for p in PARTS if p != "other"}
+    parts["logging"] = logging_s
+    row.update(breakdown(parts, elapsed_s + logging_s))

@@ -65,7 +65,7 @@ class AllRewards(Protocol):
         """(the rewards of all ranks [N_all], this rank's rows in them)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PolicyParts:
     """What an algorithm may use of the run: the policy, its optimizer, data and passes."""
     model: torch.nn.Module

@@ -196,3 +196,42 @@ def load_latest(run_dir: str | Path, warn=print, accept: Callable[[dict], bool] 
             scheduler=torch.load(path / "scheduler.pt", weights_only=True, map_location="cpu"),
         )
     return None
+
+
+# ------------------------------------------------------------------ the best checkpoint
+def selection_examples(task, cfg) -> list:
+    """The validation examples that choose the best checkpoint (eval.keep_best): none when the
+    task has no validation split or the evaluations already score it (eval.split=validation)."""
+    if not cfg.eval.keep_best or cfg.eval.split != "test":
+        return []
+    examples = task.split("validation")
+    return examples[:cfg.eval.n] if cfg.eval.n else examples
+
+
+BEST = "best"              # <run.dir>/best: the weights that scored best on validation
+BEST_RECORD = "best.json"  # in it: which step, its validation and test accuracy
+
+
+def kept_best(run_dir: Path) -> dict | None:
+    """The record of <run.dir>/best, if one was kept."""
+    record = run_dir / BEST / BEST_RECORD
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def save_weights(model, tokenizer, folder: Path, record: dict) -> None:
+    """Weights, tokenizer and ``record`` to ``folder``, replaced whole: written beside it, then
+    renamed; a write that fails leaves the previous folder as it was."""
+    tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with writing("the best checkpoint", tmp):
+            save_model(model, tokenizer, tmp)
+            (tmp / BEST_RECORD).write_text(json.dumps(record, indent=1))
+    except BaseException:   # a full disk, a signal: no temporary folder left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)

@@ -147,7 +147,7 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True, epi
     Returns (model on its device, tokenizer, what it is: source, SFT steps and loss, checkpoint).
     ``episode``: the run's (``episodes.build`` of rollout.episode when not given), whose demonstrations the SFT
     trains on (multi-turn: through the environments)."""
-    episode = episode if episode is not None else episodes.build(cfg.rollout.episode, cfg)
+    episode = episode if episode is not None else episodes.build(cfg.rollout.episode, cfg, task)
     dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
     tokenizer = getattr(task, "tokenizer", None)  # the one the data was checked with (rollout.data)
     if cfg.model.path:

@@ -16,6 +16,7 @@ multi-adapter switching; SFT cold starts train the whole model before the adapte
 from __future__ import annotations
 
 import contextlib
+import copy
 import shutil
 import warnings
 from pathlib import Path
@@ -112,6 +113,12 @@ def reference(model: nn.Module):
     """A context in which ``model`` is the KL reference: the base, adapter off (nothing for a
     model without adapters)."""
     return model.disable_adapter() if is_lora(model) else contextlib.nullcontext()
+
+
+def frozen_reference(model: nn.Module) -> nn.Module:
+    """The KL reference of train.beta > 0: a LoRA policy itself (its adapter switched off around
+    the reference's forwards: ``reference``), else a frozen copy of the policy."""
+    return model if is_lora(model) else copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def load_adapter(model: PeftModel, folder: str | Path) -> None:

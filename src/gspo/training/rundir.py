@@ -27,6 +27,7 @@ from typing import Iterator
 from gspo.errors import UserError, WriteFailed
 from filelock import FileLock, Timeout
 
+from gspo.observe.outcome import accuracy_change
 from gspo.storage import STORAGE_ERRNOS, reason, write_atomic
 from gspo.training.checkpoint import checkpoint_step, list_checkpoints, remove_partial
 
@@ -164,3 +165,18 @@ def write_faults(run_dir: str | Path, after: str | None = None) -> Iterator[None
         fault.after = after or resume_hint(run)
         raise fault from err
 
+
+def run_summary(cfg, history: dict, init_info: dict, final: Path, wall: float, data=None) -> dict:
+    """summary.json of a finished run: held-out accuracy before and after (and its change),
+    the best validation checkpoint, the cold start, the final checkpoint, skipped data."""
+    after = history.get("eval_last") or history["eval_before"]
+    return {
+        "objective": cfg.objective.name, "task": cfg.task.name, "seed": cfg.seed,
+        "steps": cfg.train.steps, "wall_s": round(wall, 1), "eval_split": cfg.eval.split,
+        "eval_before": history["eval_before"], "eval_after": after,
+        "accuracy_gain": after["accuracy"] - history["eval_before"]["accuracy"],
+        "accuracy_change": accuracy_change(history["eval_before"], after),   # fell: stated
+        "best_validation": history.get("best_validation"),   # None: no validation split
+        "cold_start": init_info, "final_checkpoint": str(final),
+        "data": data,                                        # examples skipped (data.on_error)
+    }

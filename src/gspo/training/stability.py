@@ -53,7 +53,7 @@ class GuardPause(RuntimeError):
         self.checkpoint, self.step = checkpoint, step
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunControl:
     """What the guard may do to the run besides its weights (the trainer hands it these)."""
     save_now: Callable[[int], Path]
@@ -155,7 +155,7 @@ def rollback_before(step: int, triggers) -> int:
 
 # ----------------------------------------------------------------------------- the guard
 
-@dataclass
+@dataclass(kw_only=True)
 class StabilityGuard:
     """Runs the rules after every step and carries out their actions on the run.
 

@@ -84,7 +84,7 @@ class Audit(Protocol):
                new_logprobs: Callable, seeds: dict) -> None: ...
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RLStep:
     """Runs RL step ``step`` (0-based) on the policy and returns its metrics row."""
     cfg: TrainConfig

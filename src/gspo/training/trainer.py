@@ -12,9 +12,7 @@ It holds no math and no per-minibatch logic.
 
 from __future__ import annotations
 
-import copy
 import json
-import shutil
 import signal
 import sys
 import time
@@ -25,12 +23,11 @@ from tqdm.auto import tqdm
 
 from gspo.config import TrainConfig, dump_yaml
 from gspo.errors import Interrupted
-from gspo.models.presets import DTYPES, load_model, resolve_device, save_model
-from gspo.observe.metrics import MetricsWriter, NullWriter
-from gspo.observe.outcome import accuracy_change
+from gspo.models.presets import DTYPES, load_model, resolve_device
+from gspo.observe.metrics import MetricsWriter, NullWriter, report_progress
 from gspo.observe.records import Recorder
 from gspo.observe.samples import SampleWriter
-from gspo.observe.timing import PARTS, breakdown
+from gspo.observe.timing import iteration_times
 from gspo.rewards.isolation import isolated_rewards
 from gspo.rollout import episodes
 from gspo.rollout.collect import Collector, DataCursor
@@ -39,12 +36,12 @@ from gspo.rollout.evaluation import EvalResult, evaluate
 from gspo.rollout.turns import check_template
 from gspo.training import algorithms, dist_checkpoint, distributed, lora, provenance
 from gspo.storage import write_atomic, writing
-from gspo.training.checkpoint import load_latest
+from gspo.training.checkpoint import BEST, kept_best, load_latest, save_weights, selection_examples
 from gspo.training.batch_source import build_source
 from gspo.training.cold_start import initial_policy, prepare_policy
 from gspo.training.optim import build_optimizer, build_scheduler
 from gspo.training.passes import LogprobPasses
-from gspo.training.rundir import RunLock, claim
+from gspo.training.rundir import RunLock, claim, run_summary
 from gspo.training.stability import RunControl, StabilityGuard, StepGuard
 from gspo.training.step import RLStep, skips_rows
 
@@ -69,7 +66,7 @@ class Trainer:
         self.val_set = [] if self.dist.enabled and cfg.dist.strategy == "fsdp" else \
             selection_examples(self.task, cfg)     # []: no best checkpoint (fsdp: not gathered)
         self.rewards = isolated_rewards(cfg.rewards, self.task)
-        self.episode = episodes.build(cfg.rollout.episode, cfg)   # single turn, tool loop...
+        self.episode = episodes.build(cfg.rollout.episode, cfg, self.task)   # single turn, tool loop...
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -92,10 +89,7 @@ class Trainer:
                                chunk_size=cfg.train.logprob_chunk, group_size=cfg.rollout.group_size,
                                entropy_grad=cfg.train.entropy_coef > 0,
                                routing_replay=cfg.moe.routing_replay, aux_loss=cfg.moe.aux_loss_coef > 0)
-        self.ref_model = None
-        if cfg.train.beta > 0:  # LoRA: the same model, adapter off (lora.reference)
-            self.ref_model = self.model if lora.is_lora(self.model) else \
-                copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.ref_model = lora.frozen_reference(self.model) if cfg.train.beta > 0 else None
         self.dist.wrap(self.model, cfg.dist.strategy)  # rank 0's weights everywhere; fsdp: sharded
         self.optimizer = build_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay,
                                          master_weights=cfg.train.master_weights)
@@ -105,13 +99,15 @@ class Trainer:
         self.start_step, self.history, self.wall_before = 0, {}, 0.0
         self.metrics = (MetricsWriter(self.run_dir, cfg.run.trackers, cfg.model_dump(mode="json"))
                         if self.dist.is_main else NullWriter())
+        run = RunControl(save_now=lambda step: self.save(step, self.wall()), restore=self.restore,
+                         on_main=self.dist.on_main, is_main=self.dist.is_main)
         self.guard: StepGuard = StabilityGuard(
-            cfg.guard, cfg.faults, self.model, self.optimizer, self.scheduler, self.run_dir,
-            self.metrics, RunControl(self.save_now, self.restore, self.dist.on_main, self.dist.is_main),
-            log=self.log)
-        self.algorithm.setup(algorithms.PolicyParts(
-            self.model, self.tokenizer, self.optimizer, self.scheduler, self.device, self.train_set,
-            self.ref_model, passes, self.dist))     # ppo: the critic, from the policy
+            cfg=cfg.guard, faults=cfg.faults, model=self.model, optimizer=self.optimizer,
+            scheduler=self.scheduler, run_dir=self.run_dir, metrics=self.metrics, run=run, log=self.log)
+        self.algorithm.setup(algorithms.PolicyParts(     # ppo: the critic, from the policy
+            model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
+            scheduler=self.scheduler, device=self.device, train_set=self.train_set,
+            ref_model=self.ref_model, passes=passes, ranks=self.dist))
         self.collector = Collector.create(
             cfg=cfg, model=self.model, tokenizer=self.tokenizer, task=self.task,
             train_set=self.train_set, cursor=self.cursor, rewards=self.rewards, shards=self.dist,
@@ -125,9 +121,10 @@ class Trainer:
             cfg.rollout.group_size, recorder.objective, recorder.objective_kwargs,
             transcripts=cfg.multiturn.env is not None, log=self.metrics.log_samples,
         ) if self.dist.is_main else None                 # rank 0 writes (its share of the batch)
-        self.step = RLStep(cfg, self.model, self.optimizer, self.scheduler, self.rollouts,
-                           self.algorithm, passes, self.dist, recorder, self.task, self.ref_model,
-                           samples=samples)
+        self.step = RLStep(cfg=cfg, model=self.model, optimizer=self.optimizer,
+                           scheduler=self.scheduler, source=self.rollouts, algorithm=self.algorithm,
+                           passes=passes, ranks=self.dist, audit=recorder, task=self.task,
+                           ref_model=self.ref_model, samples=samples)
         if self.resume:
             self.restore_latest()
 
@@ -184,10 +181,6 @@ class Trainer:
             self.scheduler, state, keep=self.cfg.run.keep_checkpoints,
             extra=lambda folder: (self.algorithm.save(folder),               # ppo: critic
                                   self.rollouts.save(folder, step)))
-
-    def save_now(self, step: int) -> Path:
-        """Checkpoint of ``step`` done steps, with the wall time so far (the guard's RunControl)."""
-        return self.save(step, self.wall())
 
     # ----------------------------------------------------------------------------- the loop
     def evaluate(self, examples=None) -> EvalResult:
@@ -256,7 +249,7 @@ class Trainer:
                 step = bar.n = back
                 continue
             self.rollouts.publish(row["step"])          # async: these weights to the worker
-            self.time_iteration(row, t_iter)
+            iteration_times(row, time.perf_counter() - t_iter, self.logging_s)
             done = row["step"]
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or done == cfg.train.steps:
                 result = self.evaluate()
@@ -265,7 +258,7 @@ class Trainer:
                 last_acc = result.accuracy
                 self.history["eval_last"] = result.as_dict()
             self.log_row(row)
-            self.report_progress(bar, row, last_acc)
+            report_progress(bar, row, last_acc, cfg.train.steps, None if self.progress else self.log)
             if cfg.run.save_every and done % cfg.run.save_every == 0 and done < cfg.train.steps:
                 self.save(done, self.wall())
             self.stop_if_requested(done)
@@ -292,24 +285,6 @@ class Trainer:
             self.history["best_validation"] = best
         return val.as_metrics("val/")
 
-    def report_progress(self, bar, row: dict, last_acc: float) -> None:
-        """The progress bar's figures; without a bar, a log line every 10 steps."""
-        done, steps = row["step"], self.cfg.train.steps
-        bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.2f}", acc=f"{last_acc:.2f}",
-                        clip=f"{row.get('policy/clip_frac_tokens', float('nan')):.3f}")
-        if not self.progress and (done % 10 == 0 or done == steps):
-            self.log(f"step {done}/{steps} reward {row.get('reward/mean', 0):.3f} "
-                     f"held-out acc {last_acc:.3f} clip {row.get('policy/clip_frac_tokens', 0):.4f}")
-
-    def time_iteration(self, row: dict, t_iter: float) -> None:
-        """Make time/step_s the whole loop iteration from ``t_iter``: guard hooks, the step, and
-        writing the previous row (time/logging_s); eval and checkpoints (periodic) are left out."""
-        if "time/step_s" not in row:                   # no update this step
-            return
-        parts = {p: row.get(f"time/{p}_s", 0.0) for p in PARTS if p != "other"}
-        parts["logging"] = self.logging_s
-        row.update(breakdown(parts, time.perf_counter() - t_iter + self.logging_s))
-
     def log_row(self, row: dict) -> None:
         """Write a metrics row (JSONL + TensorBoard), timed for the next row's time/logging_s."""
         t0 = time.perf_counter()
@@ -317,56 +292,9 @@ class Trainer:
         self.logging_s = time.perf_counter() - t0
 
     def finish(self, final: Path, wall: float) -> dict:
-        after = self.history.get("eval_last") or self.history["eval_before"]
-        summary = {
-            "objective": self.cfg.objective.name, "task": self.cfg.task.name, "seed": self.cfg.seed,
-            "steps": self.cfg.train.steps, "wall_s": round(wall, 1), "eval_split": self.cfg.eval.split,
-            "eval_before": self.history["eval_before"], "eval_after": after,
-            "accuracy_gain": after["accuracy"] - self.history["eval_before"]["accuracy"],
-            "accuracy_change": accuracy_change(self.history["eval_before"], after),  # fell: stated
-            "best_validation": self.history.get("best_validation"),  # None: no validation split
-            "cold_start": self.init_info, "final_checkpoint": str(final),
-            "data": getattr(self.task, "data_report", None),  # examples skipped (data.on_error)
-        }
+        summary = run_summary(self.cfg, self.history, self.init_info, final, wall,
+                              data=getattr(self.task, "data_report", None))
         if self.dist.is_main:
             with writing("summary.json", self.run_dir / "summary.json"):
                 write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
-
-
-def selection_examples(task, cfg) -> list:
-    """The validation examples that choose the best checkpoint (eval.keep_best): none when the
-    task has no validation split or the evaluations already score it (eval.split=validation)."""
-    if not cfg.eval.keep_best or cfg.eval.split != "test":
-        return []
-    examples = task.split("validation")
-    return examples[:cfg.eval.n] if cfg.eval.n else examples
-
-
-BEST = "best"              # <run.dir>/best: the weights that scored best on validation
-BEST_RECORD = "best.json"  # in it: which step, its validation and test accuracy
-
-
-def kept_best(run_dir: Path) -> dict | None:
-    """The record of <run.dir>/best, if one was kept."""
-    record = run_dir / BEST / BEST_RECORD
-    return json.loads(record.read_text()) if record.is_file() else None
-
-
-def save_weights(model, tokenizer, folder: Path, record: dict) -> None:
-    """Weights, tokenizer and ``record`` to ``folder``, replaced whole: written beside it, then
-    renamed; a write that fails leaves the previous folder as it was."""
-    tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        with writing("the best checkpoint", tmp):
-            save_model(model, tokenizer, tmp)
-            (tmp / BEST_RECORD).write_text(json.dumps(record, indent=1))
-    except BaseException:   # a full disk, a signal: no temporary folder left behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        folder.rename(old)
-    tmp.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
