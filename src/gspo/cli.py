@@ -1,4 +1,4 @@
-"""Command line: ``gspo train | sft | eval | report | audit | compare | mechanism``. Thin over the library.
+"""Command line: ``gspo train | sft | eval | report | samples | audit | compare | mechanism``. Thin over the library.
 
 User errors (config, data, unknown names, missing files, unwritable output) are found in a
 preflight phase (``gspo.tools.preflight``), before any model is built: one line, exit 2. Inside
@@ -177,6 +177,7 @@ def cmd_eval(args) -> int:
         check_checkpoint("--checkpoint", args.checkpoint)
         task = build_task(cfg)
         prov = _provenance(cfg, "eval")
+        prov["hub"].update(provenance.hub_ids({"--checkpoint": args.checkpoint}))
         if args.out:
             provenance.write(args.out, prov)
     model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype], key="--checkpoint")
@@ -191,6 +192,19 @@ def cmd_eval(args) -> int:
     if args.out:
         (Path(args.out) / "eval.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
+    return 0
+
+
+def cmd_samples(args) -> int:
+    from gspo.observe.samples import FILE, format_samples, read_samples
+    if not Path(args.run_dir).is_dir():
+        raise UserError(f"{args.run_dir}: no such run folder")
+    rows = read_samples(args.run_dir, args.step)
+    if not rows:
+        which = "" if args.step is None else f" of step {args.step}"
+        raise UserError(f"{args.run_dir}: no samples{which} in {FILE} (run.samples_every: every "
+                        f"how many steps a run writes them)")
+    print(format_samples(rows))
     return 0
 
 
@@ -287,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Rebuild RUN_DIR/report.md and RUN_DIR/plots/*.png from its metrics.")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("samples", help="print what the model wrote (samples.jsonl)",
+                       description="Print RUN_DIR/samples.jsonl readably: each sampled prompt with its "
+                                   "G completions, rewards, advantages, ratio and clip share.")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, help="only this step (-1: the last written; default: all)")
+    p.set_defaults(fn=cmd_samples)
     p = sub.add_parser("compare", help="equal-budget comparison of variants over seeds",
                        description="Train each variant x seed of SUITE.yaml at the same budget "
                                    "(reusing finished runs), then write results.json, report.md "

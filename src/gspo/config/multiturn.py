@@ -19,6 +19,8 @@ class MultiTurnConfig(Section):
     """Keyword arguments of a module:Class environment."""
     tools: list[str] = []
     """multiturn.env=tools: the tools, typed Python functions as module:function (docs/multiturn.md)."""
+    tools_in_prompt: bool = True
+    """task.chat: describe the tools to the model, their JSON schemas passed to the chat template as tools= (hermes: the <tools> block)."""
     call_format: str = "hermes"
     """How a turn writes its tool calls (gspo.envs.tools.CALL_FORMATS): hermes (<tool_call>JSON</tool_call>, answered by tool messages under the chat template) | bracket ([name arg ...], answered by '=result' lines: for the character tokenizer)."""
     sandbox: bool = False
