@@ -25,6 +25,10 @@ class RunConfig(Section):
     """How many step checkpoints to keep (the final one is always kept)."""
     trackers: list[str] = ["tensorboard"]
     """Experiment trackers besides metrics.jsonl: tensorboard | wandb | mlflow | trackio; [] for none (docs/real-models.md)."""
+    samples_every: int = Field(10, ge=0)
+    """Every this many RL steps, a few prompts' completions with rewards, advantages, ratio and clip to samples.jsonl and the trackers (0: never)."""
+    samples_prompts: int = Field(2, ge=1)
+    """Prompts (each with its G completions) kept per samples_every step."""
     progress: bool = True
     """Show a progress bar (disabled automatically when stderr is not a terminal)."""
     threads: int = Field(1, ge=0)

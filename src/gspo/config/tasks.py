@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from gspo import tasks
 from gspo.config.base import Section, one_of
 from gspo.rewards.sources import source_types
-from gspo.tasks.dataset import FIELDS
+from gspo.tasks.dataset import FIELDS, SPLIT_KEYS
 
 
 class TaskConfig(Section):
@@ -30,6 +30,12 @@ class TaskConfig(Section):
     """custom / dataset task: held-out file, same format."""
     validation_file: str | None = None
     """custom / dataset task: optional validation file, same format (needed for eval.split=validation)."""
+    dataset: str | None = None
+    """dataset task: a Hugging Face dataset read with datasets.load_dataset instead of files: a hub id (cache first, HF_HUB_OFFLINE honoured) or a local folder."""
+    dataset_config: str | None = None
+    """dataset task with task.dataset: its configuration (load_dataset's name argument)."""
+    splits: dict[str, str] = {}
+    """dataset task with task.dataset: the dataset's split for train / test / validation (default {train: train, test: test})."""
     reward: str | None = None
     """custom / dataset task: reward function 'module:function', called fn(completion, **row) -> float (docs/real-models.md)."""
     correct_threshold: float = 1.0
@@ -40,6 +46,8 @@ class TaskConfig(Section):
     """Render prompts with the tokenizer's chat template; its end-of-turn token becomes EOS (docs/real-models.md)."""
     system_prompt: str | None = None
     """chat: a system turn put before every conversation that has none."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """chat: extra variables of the chat template in every rendering (rollouts, SFT, evaluation, tool turns), e.g. {enable_thinking: false} for Qwen3."""
 
     @field_validator("columns")
     @classmethod
@@ -47,6 +55,13 @@ class TaskConfig(Section):
         for key in columns:
             one_of("task.columns field", key, list(FIELDS))
         return columns
+
+    @field_validator("splits")
+    @classmethod
+    def _splits(cls, splits: dict) -> dict:
+        for key in splits:
+            one_of("task.splits key", key, list(SPLIT_KEYS))
+        return splits
 
     @field_validator("name")
     @classmethod

@@ -6,7 +6,7 @@ log-probs out), the tokenizer, the examples and the sampling parameters, and ret
 with each row's episode record when it ran more than one turn (``RolloutBatch.records``).
 
 A new episode is one file in this package: a class registered here with ``@register("name")``
-that builds itself from the run's config (``from_config``), says which configs it cannot serve
+that builds itself from the run's config (``from_config(cfg, task)``), says which configs it cannot serve
 (``refuses``) and is called as ``Episode``. The Collector, the step and everything above stay as
 they are. This module samples nothing itself.
 """
@@ -47,9 +47,10 @@ def names() -> list[str]:
     return EPISODES.names()
 
 
-def build(name: str, cfg) -> Episode:
-    """The episode ``name`` for the run's config (ValueError listing the valid names)."""
-    return EPISODES.get(name).from_config(cfg)
+def build(name: str, cfg, task=None) -> Episode:
+    """The episode ``name`` for the run's config (ValueError listing the valid names); with the
+    run's ``task``, an episode may check what it builds from the first training example now."""
+    return EPISODES.get(name).from_config(cfg, task)
 
 
 def refusal(name: str, cfg) -> str | None:

@@ -15,7 +15,7 @@ class SingleTurn:
     metrics: dict = {}
 
     @classmethod
-    def from_config(cls, cfg) -> "SingleTurn":
+    def from_config(cls, cfg, task=None) -> "SingleTurn":
         return cls()
 
     @staticmethod
