@@ -36,13 +36,13 @@ def test_refusals(overrides, message):
         load_config(None, overrides)
 
 
-def test_a_template_that_is_not_prefix_preserving_is_refused_at_set_up(make_cfg, reward_module, tmp_path):
+def test_a_template_that_rewrites_sampled_turns_is_refused_at_set_up(make_cfg, reward_module, tmp_path):
     from gspo.rollout.turns import TemplateError
     cfg = make_cfg("sft.enabled=false", parity_rewards(reward_module), "model.tokenizer=bpe", "task.chat=true",
                    "multiturn.env=single", "task.n_train=40")
     trainer = Trainer(cfg, log=lambda m: None)
     trainer.task.tokenizer.chat_template = THINK_STRIPPING_TEMPLATE
-    with pytest.raises(TemplateError, match="not prefix-preserving"):
+    with pytest.raises(TemplateError, match="rewrites"):
         trainer.setup()
 
 

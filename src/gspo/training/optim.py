@@ -22,9 +22,9 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0
                     betas: tuple[float, float] = (0.9, 0.999), master_weights: str = "model"
                     ) -> torch.optim.Optimizer:
     """AdamW; the fused kernel (one call for all parameters, ~4x faster than the per-tensor loop
-    on the tiny presets, docs/performance.md) where torch has it for these parameters. float16
-    parameters need ``master_weights="float32"`` (float16 moments underflow: AdamW's ε = 1e-8 is
-    0 in float16) and get a dynamic loss scale (gspo.training.loss_scale)."""
+    on the tiny presets, docs/results/performance/speed-paths.md) where torch has it for these
+    parameters. float16 parameters need ``master_weights="float32"`` (float16 moments underflow:
+    AdamW's ε = 1e-8 is 0 in float16) and get a dynamic loss scale (gspo.training.loss_scale)."""
     params = [p for p in model.parameters() if p.requires_grad]
     half = any(p.dtype == torch.float16 for p in params)
     if half and master_weights != "float32":

@@ -79,6 +79,7 @@ class Row:
     """How the row ended (ENDS); None while it is live."""
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_parse_errors: int = 0
     env_errors: int = 0
     """Turns a user's environment failed on (``Reply.error``; on_env_error=end)."""
     observation_tokens: int = 0
@@ -154,6 +155,7 @@ def take_turn(row: Row, env: Environment, ids: list[int], logp: list[float],
     reply = env.step(Turn(text, ended=ended))
     row.tool_calls += reply.tool_calls
     row.tool_errors += reply.tool_errors
+    row.tool_parse_errors += reply.parse_errors
     row.env_errors += reply.error is not None
     row.info.update(reply.info)
     if not ended:
@@ -239,12 +241,14 @@ def to_tensors(rows: Sequence[Row], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def episode_metrics(rows: Sequence[Row]) -> dict[str, float]:
-    """Per-step means: turns, tool calls and errors, observation tokens, how rows ended, drift."""
+    """Per-step means: turns, tool calls and errors (parse errors among them), observation tokens,
+    how rows ended, drift."""
     n = max(1, len(rows))
     turns = sum(len(r.turns) for r in rows)
     out = {"multiturn/turns_mean": turns / n,
            "multiturn/tool_calls_mean": sum(r.tool_calls for r in rows) / n,
            "multiturn/tool_errors_mean": sum(r.tool_errors for r in rows) / n,
+           "multiturn/tool_parse_errors": sum(r.tool_parse_errors for r in rows) / n,
            "multiturn/env_errors_mean": sum(r.env_errors for r in rows) / n,
            "multiturn/tool_call_rate": sum(r.tool_calls > 0 for r in rows) / n,
            "multiturn/env_tokens_mean": sum(r.observation_tokens for r in rows) / n,
