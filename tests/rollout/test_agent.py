@@ -167,9 +167,13 @@ def test_responses_carry_ids_schema_complete_logprobs_and_tool_calls_streamed_or
     assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx([-((t % 7) + 1) / 10 for t in ids])
     assert plain["prompt_token_ids"] == tok(examples(1)[0].prompt)["input_ids"]
     assert ids[-1] == tok.eos_token_id
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None   # this script's turn
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 0, "b": 0}'}
+    # the streamed call is another sample (a fresh row, the next flush): its chunks agree with its ids
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    assert streamed == (choice["message"]["content"] or "")
-    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    first = chunks[0]["choices"][0]
+    assert streamed == tok.decode(first["token_ids"][:-1]) == "".join(e["token"] for e in first["logprobs"]["content"][:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert models["data"][0]["max_model_len"] > 0
     # the second call (a fresh render of the same messages) is the episode's second row
     assert episode.metrics["agent/rows_per_episode"] == 2 and episode.metrics["agent/fresh_renders"] == 2
@@ -313,3 +317,88 @@ def test_the_config_refuses_what_the_agent_cannot_serve(make_cfg):
         make_cfg("rollout.episode=agent", "agent.fn=json:loads", "rewards.on_error=drop", "multiturn.env=guess")
     cfg = make_cfg("rollout.episode=agent", "agent.fn=json:loads", "rewards.on_error=drop")
     assert cfg.rollout.episode == "agent" and cfg.agent.timeout_s == 60.0
+
+
+class NonCanonical(Scripted):
+    """Writes ``done`` one character per token: a split the tokenizer would not make."""
+
+    def reply(self, context, j, seed):
+        return [self.tok.convert_tokens_to_ids(c) for c in "done"] + [self.tok.eos_token_id]
+
+
+def test_a_non_canonical_split_is_kept_in_the_row_and_in_the_next_context(tok):
+    assert tok("done", add_special_tokens=False)["input_ids"] != NonCanonical(tok).reply([], 0, 0)[:4]
+    prompts = []
+
+    def agent(base_url, api_key, example):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": example.data["question"]}]
+        first = client.chat.completions.create(model="m", messages=messages)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "again"}]
+        second = client.chat.completions.create(model="m", messages=messages)
+        prompts.append((first.prompt_token_ids + first.choices[0].token_ids, second.prompt_token_ids))
+        return 0.0
+
+    episode, batch = agent_batch(agent, tok, NonCanonical(tok), examples(1))
+    split = NonCanonical(tok).reply([], 0, 0)
+    for before, after in prompts:
+        assert after[:len(before)] == before and before[-len(split):] == split
+    row = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
+    assert row[-len(split):] == split and episode.metrics["agent/rows_per_episode"] == 1
+    assert episode.metrics["multiturn/retokenization_drift"] == 0       # not measured: never re-encoded
+
+
+def test_hf_agent_rows_are_the_samplers_ids_and_the_trainers_logprobs(tok):
+    """The tiny model (taught to end its turns) behind the endpoint, an openai agent of three
+    turns: each row is the concatenation of the ids the agent was sent, and the trainer's
+    forward over the row gives the log-probs the agent was sent (float32, the engine tolerance)."""
+    from gspo.core.logprobs import response_logprobs
+    from gspo.models.presets import build_model
+    from gspo.rollout import engines
+    from gspo.rollout.generate import demonstration_batch
+    from gspo.training.cold_start import sft_loss
+    torch.manual_seed(0)
+    model, _ = build_model("tiny-dense", 0, tokenizer=tok)
+    demos = [Example(ex.prompt, "done 1") for ex in examples(3)]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(30):
+        loss = sft_loss(model, demonstration_batch(tok, demos, "cpu"))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    sent = {}
+
+    def agent(base_url, api_key, example):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": example.data["question"]}]
+        for turn in range(3):
+            r = client.chat.completions.create(model="m", messages=messages, stream=turn == 1)
+            if turn == 1:   # streamed: the ids and log-probs ride on the first chunk
+                chunks = list(r)
+                ids = chunks[0].choices[0].token_ids
+                logp = [e.logprob for e in chunks[0].choices[0].logprobs.content]
+                content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                ids, content = r.choices[0].token_ids, r.choices[0].message.content
+                logp = [e.logprob for e in r.choices[0].logprobs.content]
+            sent.setdefault(base_url, []).append((ids, logp))
+            messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": f"result {turn}"}]
+        return 1.0
+
+    engine = engines.build("hf", model, tok)
+    episode, batch = agent_batch(agent, tok, engine, examples(2), G=2, seed=3)
+    assert episode.metrics["agent/rows_per_episode"] == 1          # every turn ended: all stitched
+    assert episode.metrics["agent/calls_mean"] == 3
+    assert episode.metrics["multiturn/env_tokens_mean"] > 0        # holes: the tool turns
+    policy = batch.response_mask
+    for n, calls in enumerate(sent[k] for k in sorted(sent, key=lambda u: int(u.split(".")[-1].split("/")[0]))):
+        T = policy.shape[1]
+        ids = batch.input_ids[n, -T:][policy[n].bool()].tolist()
+        assert ids == sum((c[0] for c in calls), [])
+        assert batch.rollout_logp[n][policy[n].bool()].tolist() == pytest.approx(sum((c[1] for c in calls), []), abs=1e-6)
+    with torch.no_grad():
+        out = response_logprobs(model, batch.input_ids, batch.attention_mask, policy, with_entropy=False)
+    on = policy > 0
+    assert (out.logp[on] - batch.rollout_logp[on]).abs().max() < 5e-5
