@@ -135,7 +135,7 @@ def test_the_endpoint_adds_nothing_to_a_tool_loop(tok):
     assert agent_engine.calls == loop_engine.calls              # (contexts, G, seed) per call
     m = episode.metrics
     assert m["agent/rows_per_episode"] == 1 and m["agent/fresh_renders"] == 0
-    assert m["agent/errors"] == m["agent/timeouts"] == m["agent/refused"] == 0
+    assert m["agent/errors"] == m["agent/timeouts"] == m["agent/refused"] == m["agent/partial_batches"] == 0
     assert m["agent/calls_mean"] == sum(len(r.turns) for r in rows) / len(rows)
     assert [c["name"] for r in got.records for c in r.tool_calls] == ["add"] * sum(len(r.turns) - 1 for r in rows)
 

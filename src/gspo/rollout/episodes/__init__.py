@@ -11,7 +11,7 @@ The run's episode is ``rollout.episode`` (derived from ``multiturn.env`` when un
 and the cold start build it here. docs/architecture.md, "Where to add an episode".
 """
 
-from gspo.rollout.episodes.base import EPISODES, Episode, build, names, refusal, register
+from gspo.rollout.episodes.base import EPISODES, Episode, build, gives_rewards, names, refusal, register
 
 # Built-in episodes register themselves on import.
 from gspo.rollout.episodes import single_turn, tool_loop, agent  # noqa: E402,F401  isort: skip
@@ -19,4 +19,4 @@ from gspo.rollout.episodes.single_turn import SingleTurn  # noqa: E402
 from gspo.rollout.episodes.tool_loop import ToolLoop  # noqa: E402
 from gspo.rollout.episodes.agent import Agent  # noqa: E402
 
-__all__ = ["EPISODES", "Agent", "Episode", "SingleTurn", "ToolLoop", "build", "names", "refusal", "register"]
+__all__ = ["EPISODES", "Agent", "Episode", "SingleTurn", "ToolLoop", "build", "gives_rewards", "names", "refusal", "register"]

@@ -118,8 +118,9 @@ class Agent:
     fn: Callable
     budgets: Budgets
     timeout_s: float = 60.0
-    batch_wait_s: float = 0.5
+    batch_wait_s: float = 2.0
     metrics: dict = field(default_factory=dict)
+    gives_rewards = True
     batches: int = 0
     """Batches served (each batch's URLs carry its number: a late call of an earlier one is refused)."""
 
@@ -138,6 +139,14 @@ class Agent:
             return "set agent.fn, the agent as module:function (docs/agents.md)"
         if cfg.multiturn.env is not None:
             return f"the agent is the environment: unset multiturn.env={cfg.multiturn.env}"
+        blocked = [(cfg.objective.name == "ppo", "objective.name=ppo (its critic scores every token, "
+                                                 "observations included)"),
+                   (cfg.moe.routing_replay == "rollout", "moe.routing_replay=rollout"),
+                   (cfg.audit.every > 0, "audit.every (the audit's mask rules are the single-turn ones)"),
+                   (cfg.objective.name in ("dpo", "sft"), f"objective.name={cfg.objective.name}")]
+        for refuse, why in blocked:
+            if refuse:
+                return f"does not work with {why}"
         if cfg.rewards.on_error == "fail":
             return ("an agent that fails gives its episode no reward: set rewards.on_error=drop (its row "
                     "leaves the loss) or zero")
@@ -223,6 +232,7 @@ class Agent:
                 "agent/fresh_renders": float(sum(log.fresh_renders for log in logs)),
                 "agent/calls_mean": sum(len(log.calls) for log in logs) / n,
                 "agent/engine_calls": float(session.batcher.engine_calls),
+                "agent/partial_batches": float(session.batcher.partial),
                 "agent/overridden_sampling": float(c["overridden"]),
                 "agent/timeouts": float(sum(o.state == "timeout" for o in outcomes)),
                 "agent/errors": float(sum(o.state == "error" for o in outcomes)),

@@ -25,6 +25,9 @@ class Episode(Protocol):
 
     metrics: dict
     """The last batch's episode metrics (multiturn/*; empty for a single turn)."""
+    gives_rewards: bool
+    """Its rows' records carry a reward of their own (``EpisodeRecord.reward``: the environment's,
+    the agent's), which ``rewards.sources: [{type: env}]`` scores."""
 
     def __call__(self, sampler, tokenizer, examples: list[Example], params: SamplingParams, *,
                  group_size: int, seed: int | None, with_logprobs: bool) -> RolloutBatch: ...
@@ -50,6 +53,11 @@ def names() -> list[str]:
 def build(name: str, cfg) -> Episode:
     """The episode ``name`` for the run's config (ValueError listing the valid names)."""
     return EPISODES.get(name).from_config(cfg)
+
+
+def gives_rewards(name: str) -> bool:
+    """Whether episode ``name``'s records carry rewards of their own (``Episode.gives_rewards``)."""
+    return bool(getattr(EPISODES.get(name), "gives_rewards", False))
 
 
 def refusal(name: str, cfg) -> str | None:

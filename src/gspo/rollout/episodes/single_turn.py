@@ -13,6 +13,7 @@ class SingleTurn:
     (a row's record is its completion: ``EpisodeRecord.single``)."""
 
     metrics: dict = {}
+    gives_rewards = False
 
     @classmethod
     def from_config(cls, cfg) -> "SingleTurn":

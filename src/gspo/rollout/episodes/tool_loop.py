@@ -156,6 +156,7 @@ class ToolLoop:
     metrics: dict = field(default_factory=dict)
     runner: object = None
     """The tools' runner the environments share (closed at the end of the run), if any."""
+    gives_rewards = True
 
     @classmethod
     def from_config(cls, cfg) -> "ToolLoop":

@@ -61,6 +61,9 @@ class Batcher:
         self.cond = threading.Condition()
         self.flushes = 0
         self.engine_calls = 0
+        self.partial = 0
+        """Flushes made before every live episode waited (``wait_s`` passed): batches, and so
+        seeds, that depend on timing."""
 
     def submit(self, request: Request, timeout: float | None = None) -> tuple[list[int], list[float]]:
         """Queue ``request`` and wait for its sample (Closed: its episode ended first)."""
@@ -106,6 +109,7 @@ class Batcher:
                     self.cond.wait(poll_s)
                     continue
                 batch = sorted(self.waiting, key=lambda r: r.episode)   # stable: arrival within one
+                self.partial += not {r.episode for r in batch} >= self.live
                 self.waiting = []
             self.flush(batch)
 
