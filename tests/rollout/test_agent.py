@@ -402,3 +402,25 @@ def test_hf_agent_rows_are_the_samplers_ids_and_the_trainers_logprobs(tok):
         out = response_logprobs(model, batch.input_ids, batch.attention_mask, policy, with_entropy=False)
     on = policy > 0
     assert (out.logp[on] - batch.rollout_logp[on]).abs().max() < 5e-5
+
+
+def test_the_agent_of_docs_agents_md_runs(tok):
+    """The 20-line agent of docs/agents.md, as written there, against the scripted engine."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "agents.md").read_text()
+    code = re.search(r"```python\n# my_agents.py.*?\n(.*?)```", text, re.DOTALL).group(1)
+    namespace = {}
+    exec(compile(code, "docs/agents.md", "exec"), namespace)      # noqa: S102  the docs' own example
+    exs = [Example(ex.prompt, "done 1", ex.data) for ex in examples(3)]
+    episode, batch = agent_batch(namespace["solve"], tok, Scripted(tok), exs)
+    m = episode.metrics
+    assert m["agent/errors"] == m["agent/refused"] == 0 and m["agent/calls_mean"] > 1
+    assert {r.reward for r in batch.records} <= {0.0, 1.0} and 1.0 in {r.reward for r in batch.records}
+
+
+def test_many_agents_connecting_at_once_are_all_served(tok):
+    """64 episodes open their connections together: none is refused by the listen backlog."""
+    exs = [Example(examples(3)[i % 3].prompt, "", examples(3)[i % 3].data) for i in range(32)]
+    episode, batch = agent_batch(add_agent, tok, Scripted(tok), exs)
+    assert episode.metrics["agent/errors"] == 0 and None not in [r.reward for r in batch.records]

@@ -54,3 +54,16 @@ def test_an_agent_trains_exactly_as_the_same_task_as_an_environment(make_cfg, tm
     step = [r for r in agent_rows if "agent/calls_mean" in r][0]
     assert step["agent/calls_mean"] == 1 and step["agent/errors"] == 0 and step["agent/timeouts"] == 0
     assert step["agent/partial_batches"] == 0
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_an_agent_trains_under_the_async_worker(make_cfg, tmp_path, monkeypatch, worker):
+    """rollout.async: the worker (a thread, or a process of its own) serves the agent its
+    endpoint; the run finishes with agent/* metrics and no error."""
+    (tmp_path / "parity_agent.py").write_text(textwrap.dedent(AGENT))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    rows, _ = _run(make_cfg, "rollout.episode=agent", "agent.fn=parity_agent:parity", "rollout.async=true",
+                   f"rollout.async_worker={worker}", run=worker)
+    step = [r for r in rows if "agent/calls_mean" in r]
+    assert step and all(r["agent/errors"] == 0 and r["agent/calls_mean"] == 1 for r in step)

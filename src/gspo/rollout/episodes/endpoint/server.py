@@ -73,8 +73,7 @@ class Endpoint:
         self.thread: threading.Thread | None = None
 
     def open(self) -> "Endpoint":
-        self.httpd = ThreadingHTTPServer((HOST, 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = Server((HOST, 0), Handler)
         self.httpd.endpoint = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                        name="gspo-agent-endpoint", daemon=True)
@@ -249,6 +248,14 @@ def sse(head: dict, content, tool_calls: list, entries: list, ids: list[int], fi
             "tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}}]})
     chunks.append({**base, "usage": use, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+
+class Server(ThreadingHTTPServer):
+    """A thread per connection (daemon threads), and a listen backlog for a batch's agents
+    connecting at once (the default 5 refuses some of them)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
 
 
 class Handler(BaseHTTPRequestHandler):
