@@ -424,3 +424,25 @@ def test_many_agents_connecting_at_once_are_all_served(tok):
     exs = [Example(examples(3)[i % 3].prompt, "", examples(3)[i % 3].data) for i in range(32)]
     episode, batch = agent_batch(add_agent, tok, Scripted(tok), exs)
     assert episode.metrics["agent/errors"] == 0 and None not in [r.reward for r in batch.records]
+
+
+def test_a_call_that_only_sends_back_the_reply_continues_after_the_assistant_header(tok):
+    """[user, assistant]: the next turn is the row's ids, the template's next assistant header,
+    then the new sample (one row); the record's transcript is what followed the prompt."""
+    contexts = []
+
+    def agent(base_url, api_key, example):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": example.data["question"]}]
+        first = client.chat.completions.create(model="m", messages=messages)
+        messages.append(first.choices[0].message.model_dump())      # as the SDK gives it back
+        second = client.chat.completions.create(model="m", messages=messages)
+        contexts.append((first.prompt_token_ids + first.choices[0].token_ids, second.prompt_token_ids))
+        return 0.0
+
+    episode, batch = agent_batch(agent, tok, Scripted(tok), examples(1), seed=1)
+    header = tok("\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    for before, after in contexts:
+        assert after == before + header
+    assert episode.metrics["agent/rows_per_episode"] == 1
+    assert [m["role"] for m in batch.records[0].transcript] == ["assistant", "assistant"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from gspo.envs.tools import Hermes, ToolCall
 from gspo.rollout.episodes.turn_loop import Budgets, Row
-from gspo.rollout.turns import observation_ids
+from gspo.rollout.turns import TemplateError, observation_ids
 
 HERMES = Hermes()
 
@@ -173,7 +173,10 @@ class Recorder:
             if parent is None:
                 return self.fresh(log, self.render(messages, tools), keys)
             new = [for_template(m) for m in messages[len(parent.messages) + 1:]]
-            obs = observation_ids(self.tokenizer, new, self.eos) if new else []
+            try:     # no new message: the next assistant header alone
+                obs = observation_ids(self.tokenizer, new, self.eos)
+            except TemplateError as err:
+                raise Refused(400, str(err)) from None
             return self.continued(log, parent, obs, keys)
 
     def token_context(self, e: int, ids: list) -> Pending:
@@ -257,9 +260,8 @@ class Recorder:
                 row.policy += [0] * len(p.observation)
                 row.logp += [0.0] * len(p.observation)
                 row.observation_tokens += len(p.observation)
-            if messages is not None:
-                start = 0 if p.parent is None else len(p.parent.messages) + 1
-                row.transcript += [for_template(m) for m in messages[start:]]
+            if messages is not None and p.parent is not None:      # after the prompt: the new messages
+                row.transcript += [for_template(m) for m in messages[len(p.parent.messages) + 1:]]
             row.ids += ids
             row.policy += [1] * len(ids)
             row.logp += list(logp)

@@ -178,7 +178,7 @@ class Endpoint:
         tok = session.tokenizer
         ended = bool(ids) and ids[-1] == tok.eos_token_id
         text = tok.decode(ids[:-1] if ended else ids, skip_special_tokens=True)
-        content, calls = parse_reply(text)
+        content, calls = parse_reply(text) if ended else (text, [])     # a cut turn calls nothing
         call = session.recorder.commit(e, pending, ids, logp, text, calls, messages)
         finish = "length" if not ended else "tool_calls" if calls else "stop"
         tool_calls = [{"id": f"call_{session.batch}_{e}_{len(session.recorder.logs[e].calls)}_{i}",
@@ -206,7 +206,7 @@ class Endpoint:
         tok = session.tokenizer
         ended = bool(ids) and ids[-1] == tok.eos_token_id
         text = tok.decode(ids[:-1] if ended else ids, skip_special_tokens=True)
-        session.recorder.commit(e, pending, ids, logp, text, parse_reply(text)[1], None)
+        session.recorder.commit(e, pending, ids, logp, text, parse_reply(text)[1] if ended else [], None)
         return 200, {"request_id": f"gen-{session.batch}-{e}-{len(session.recorder.logs[e].calls)}",
                      "prompt_token_ids": pending.context, "choices": [
                          {"index": 0, "token_ids": ids, "text": text, "finish_reason": "stop" if ended else "length",
