@@ -285,14 +285,20 @@ def test_faults_are_counted_the_run_goes_on_and_nothing_is_left(tok):
 
 
 def test_no_server_thread_or_port_is_left_after_a_batch(tok):
-    urls = []
+    """Even with the agents' clients (and their keep-alive connections) still open."""
+    urls, clients = [], []
 
     def agent(base_url, api_key, example):
         urls.append(base_url)
-        return add_agent(base_url, api_key, example)
+        clients.append(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0))
+        clients[-1].chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        return 0.0
 
     agent_batch(agent, tok, Scripted(tok), examples(1))
     port = int(urls[0].split(":")[2].split("/")[0])
+    deadline = time.monotonic() + 3
+    while endpoint_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert endpoint_threads() == []
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()

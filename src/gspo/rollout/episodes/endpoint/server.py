@@ -26,6 +26,7 @@ import hmac
 import json
 import re
 import secrets
+import socket
 import threading
 import time
 from collections import Counter
@@ -95,6 +96,7 @@ class Endpoint:
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
+            self.httpd.close_connections()
             self.thread.join()
             self.httpd = self.thread = None
 
@@ -251,11 +253,37 @@ def sse(head: dict, content, tool_calls: list, entries: list, ids: list[int], fi
 
 
 class Server(ThreadingHTTPServer):
-    """A thread per connection (daemon threads), and a listen backlog for a batch's agents
-    connecting at once (the default 5 refuses some of them)."""
+    """A thread per connection, and a listen backlog for a batch's agents connecting at once (the
+    default 5 refuses some of them). ``close_connections`` ends the connections still open (a
+    client's keep-alive), so that their threads end with the server."""
 
     daemon_threads = True
     request_queue_size = 1024
+
+    def __init__(self, address, handler):
+        super().__init__(address, handler)
+        self.connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
+
+    def process_request(self, request, client_address) -> None:
+        with self.connections_lock:
+            self.connections.add(request)
+        threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                         name="gspo-agent-endpoint-connection", daemon=True).start()
+
+    def shutdown_request(self, request) -> None:
+        with self.connections_lock:
+            self.connections.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        with self.connections_lock:
+            open_now = list(self.connections)
+        for connection in open_now:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)    # its thread reads EOF and ends
+            except OSError:
+                pass
 
 
 class Handler(BaseHTTPRequestHandler):
