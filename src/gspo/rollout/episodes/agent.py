@@ -121,6 +121,7 @@ class Agent:
     batch_wait_s: float = 2.0
     metrics: dict = field(default_factory=dict)
     gives_rewards = True
+    multi_turn = True
     batches: int = 0
     """Batches served (each batch's URLs carry its number: a late call of an earlier one is refused)."""
 

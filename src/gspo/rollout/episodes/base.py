@@ -25,6 +25,9 @@ class Episode(Protocol):
 
     metrics: dict
     """The last batch's episode metrics (multiturn/*; empty for a single turn)."""
+    multi_turn: bool
+    """Its rows continue after the policy's end-of-turn token with the chat template's ids for
+    new messages, so the trainer refuses, at set-up, a template that is not prefix-preserving."""
     gives_rewards: bool
     """Its rows' records carry a reward of their own (``EpisodeRecord.reward``: the environment's,
     the agent's), which ``rewards.sources: [{type: env}]`` scores."""

@@ -14,6 +14,7 @@ class SingleTurn:
 
     metrics: dict = {}
     gives_rewards = False
+    multi_turn = False
 
     @classmethod
     def from_config(cls, cfg) -> "SingleTurn":

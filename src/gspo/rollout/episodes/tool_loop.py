@@ -157,6 +157,7 @@ class ToolLoop:
     runner: object = None
     """The tools' runner the environments share (closed at the end of the run), if any."""
     gives_rewards = True
+    multi_turn = True
 
     @classmethod
     def from_config(cls, cfg) -> "ToolLoop":
