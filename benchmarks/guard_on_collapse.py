@@ -1,7 +1,7 @@
 """The stability guard on runs that really collapse: does it fire before the collapse, and does
 roll-back recover?
 
-The collapse is the cheap one the stress calibration found (docs/results.md, "Stability"): GRPO on
+The collapse is the cheap one the stress calibration found (docs/results/stability.md): GRPO on
 tiny-moe at lr 1e-3 with M = 8 minibatches per batch loses its held-out accuracy within a few
 steps, whatever the sampler. Run from the start at that rate (warm-up 10 steps), a run falls
 without gaining first, so the crash rule of `gspo compare` (a gain of 0.10, then a fall) does not

@@ -140,7 +140,7 @@ def main() -> None:
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--set", nargs="*", default=[])
     args = parser.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a local cluster on 127.0.0.1 only
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # nothing under ~/.ray; a run's own cluster uses its token
     sync(args) if args.what == "sync" else steps(args)
 
 

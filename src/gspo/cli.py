@@ -1,4 +1,4 @@
-"""Command line: ``gspo train | sft | eval | report | audit | compare``. Thin over the library.
+"""Command line: ``gspo train | sft | eval | report | samples | audit | compare | mechanism``. Thin over the library.
 
 User errors (config, data, unknown names, missing files, unwritable output) are found in a
 preflight phase (``gspo.tools.preflight``), before any model is built: one line, exit 2. Inside
@@ -177,12 +177,13 @@ def cmd_eval(args) -> int:
         check_checkpoint("--checkpoint", args.checkpoint)
         task = build_task(cfg)
         prov = _provenance(cfg, "eval")
+        prov["hub"].update(provenance.hub_ids({"--checkpoint": args.checkpoint}))
         if args.out:
             provenance.write(args.out, prov)
     model, tokenizer = load_model(args.checkpoint, DTYPES[cfg.model.dtype], key="--checkpoint")
     model.to(resolve_device(cfg.model.device))
     tests = eval_examples(task, cfg)
-    episode = episodes.build(cfg.rollout.episode, cfg)   # multi-turn: whole trajectories
+    episode = episodes.build(cfg.rollout.episode, cfg, task)   # multi-turn: whole trajectories
     result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
                       k=cfg.eval.k, temperature=cfg.eval.temperature,
                       batch_size=cfg.eval.batch_size, seed=cfg.seed, episode=episode)
@@ -191,6 +192,19 @@ def cmd_eval(args) -> int:
     if args.out:
         (Path(args.out) / "eval.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
+    return 0
+
+
+def cmd_samples(args) -> int:
+    from gspo.observe.samples import FILE, format_samples, read_samples
+    if not Path(args.run_dir).is_dir():
+        raise UserError(f"{args.run_dir}: no such run folder")
+    rows = read_samples(args.run_dir, args.step)
+    if not rows:
+        which = "" if args.step is None else f" of step {args.step}"
+        raise UserError(f"{args.run_dir}: no samples{which} in {FILE} (run.samples_every: every "
+                        f"how many steps a run writes them)")
+    print(format_samples(rows))
     return 0
 
 
@@ -217,11 +231,30 @@ def cmd_audit(args) -> int:
     if not Path(args.run_dir).is_dir():
         raise UserError(f"{args.run_dir}: no such run folder")
     run_cfg = Path(args.run_dir) / "config.yaml"
-    if run_cfg.is_file():  # the run's objective under today's registry vs the one it recorded
+    if run_cfg.is_file():  # the run's objective under the present registry vs the one it recorded
         now = provenance.collect(load_config(run_cfg), command="audit", device="cpu")  # audits: CPU
         provenance.check(args.run_dir, now, action="audit", warn=_warn)
     tol = Tolerances(logp=args.tol, ratio=args.tol) if args.tol is not None else Tolerances()
     return 0 if run_audit(args.run_dir, args.step, tol) else EXIT_MISMATCH
+
+
+def cmd_mechanism(args) -> int:
+    from gspo.tools import mechanism
+    from gspo.tools.preflight import user_input
+    with user_input():  # the run folder / checkpoint and its config are the user's
+        if not Path(args.target).exists():
+            raise UserError(f"{args.target}: no such run folder or checkpoint")
+        if args.seeds < 1 or args.prompts < 1:
+            raise UserError(f"--seeds and --prompts must be >= 1, got {args.seeds}, {args.prompts}")
+        cfg, model, tokenizer = mechanism.load_target(args.target, args.config, args.overrides)
+    axes = tuple(args.axes.split(",")) if args.axes else None
+    results = mechanism.measure(cfg, model, tokenizer, seeds=tuple(range(args.seeds)),
+                                prompts=args.prompts, axes=axes,
+                                log=lambda m: print(m, file=sys.stderr))
+    results["target"] = str(args.target)
+    out = args.out or str(Path(args.target) / "mechanism")
+    print(f"mechanism: {mechanism.write(results, out)}  ({out}/mechanism.json)")
+    return 0
 
 
 def cmd_report(args) -> int:
@@ -235,6 +268,44 @@ def cmd_report(args) -> int:
 
 
 # --------------------------------------------------------------------------------- parser
+def config_fields_help(width: int) -> str:
+    """Every config field of ``gspo train`` as ``key=default`` and its one-line docstring,
+    grouped by section and wrapped to ``width`` (the tail of ``gspo train --help``)."""
+    import textwrap
+    from gspo.config.reference import field_docs, section_docs
+    sections, col = section_docs(), 34
+    lines = textwrap.wrap("config fields (YAML keys, or key=value overrides on the command "
+                          "line; explained in docs/*.md):", width)
+    current = None
+    for key, default, doc in field_docs():
+        section, _, rest = key.partition(".")
+        if not rest:
+            section, rest = "", key
+        if section != current:
+            current = section
+            head = f"{section}: {sections.get(section, '')}" if section else "top level:"
+            lines += [""] + textwrap.wrap(head, width, subsequent_indent="  ")
+        left = f"  {rest}={default}" if default else f"  {rest}"
+        body = textwrap.wrap(doc, max(width - col, 30)) or [""]
+        if len(left) >= col - 1:
+            lines += [left] + [" " * col + b for b in body]
+        else:
+            lines += [left.ljust(col) + body[0]] + [" " * col + b for b in body[1:]]
+    return "\n".join(lines) + "\n"
+
+
+class ConfigHelpParser(argparse.ArgumentParser):
+    """A command's parser whose --help ends with the config fields (imported only then, so that
+    ``gspo --help`` stays light)."""
+
+    def format_help(self) -> str:
+        import shutil
+        text = super().format_help()
+        if not getattr(self, "lists_config", False):
+            return text
+        return f"{text}\n{config_fields_help(min(shutil.get_terminal_size().columns, 120))}"
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML config (default: the main job, "
                    "the package's copy of configs/default.yaml)")
@@ -244,13 +315,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gspo", description="GSPO and friends: RL of language models with verifiable rewards.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ConfigHelpParser)
     p = sub.add_parser("train", help="cold start (SFT) then RL, with held-out evaluation",
                        description="Train a policy: SFT cold start (cached), then RL with the "
                                    "configured objective. Example: gspo train configs/default.yaml "
                                    "objective.name=grpo seed=1")
     _add_config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.lists_config = True
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("sft", help="only the cold-start SFT stage (cached by config)",
                        description="Run (or reuse) the cold-start SFT and print where it is.")
@@ -268,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Rebuild RUN_DIR/report.md and RUN_DIR/plots/*.png from its metrics.")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("samples", help="print what the model wrote (samples.jsonl)",
+                       description="Print RUN_DIR/samples.jsonl readably: each sampled prompt with its "
+                                   "G completions, rewards, advantages, ratio and clip share.")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, help="only this step (-1: the last written; default: all)")
+    p.set_defaults(fn=cmd_samples)
     p = sub.add_parser("compare", help="equal-budget comparison of variants over seeds",
                        description="Train each variant x seed of SUITE.yaml at the same budget "
                                    "(reusing finished runs), then write results.json, report.md "
@@ -300,6 +378,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="audit only this recorded step (default: all)")
     p.add_argument("--tol", type=float, help="tolerance on log-probs and ratios (default 1e-4)")
     p.set_defaults(fn=cmd_audit)
+    p = sub.add_parser("mechanism", help="gradient noise of token vs sequence importance weights",
+                       description="Hold a sampled batch of TARGET's policy fixed, move the policy "
+                                   "k optimizer steps (and, on a MoE, change its routing with "
+                                   "router noise), and measure each objective's minibatch gradient "
+                                   "signal-to-noise, its cosine to the full-batch gradient and the "
+                                   "ratio dispersion (docs/mechanism.md). Example: gspo mechanism "
+                                   "runs/default --seeds 5")
+    p.add_argument("target", help="run folder (its config.yaml and latest checkpoint) or checkpoint directory")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the run's config, e.g. rollout.group_size=4")
+    p.add_argument("--config", help="config of a checkpoint outside a run folder (e.g. configs/default.yaml)")
+    p.add_argument("--seeds", type=int, default=5, help="batches 0..K-1, one per seed (default 5)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per batch, each rollout.group_size responses (default 4)")
+    p.add_argument("--axes", help="comma-separated: steps, routing (default: steps, and routing on a MoE)")
+    p.add_argument("--out", help="output folder (default TARGET/mechanism)")
+    p.set_defaults(fn=cmd_mechanism)
     return parser
 
 

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from gspo import envs, tasks
+from gspo.errors import UserError
 from gspo.envs.tools import (CALL_FORMATS, ToolCall, ToolError, ToolRunner, bind, load_tool)
 from gspo.rewards.sandbox import Limits
 from gspo.tasks.tooluse import bisect_turns, calc, lookup, lookup_value
@@ -204,5 +205,125 @@ def test_a_template_that_rewrites_history_is_refused():
     from gspo.rollout.turns import TemplateError, check_template
     tok = build_bpe_tokenizer(["user x", "assistant y"], 300)
     tok.chat_template = THINK_STRIPPING_TEMPLATE
-    with pytest.raises(TemplateError, match="not prefix-preserving"):
+    with pytest.raises(TemplateError, match="rewrites"):
         check_template(tok, tok.convert_tokens_to_ids("<|im_end|>"))
+
+
+# ------------------------------------------------------------------ a user's environment, guarded
+ENVS = "gspo_probe_envs"
+
+
+@pytest.fixture(scope="module")
+def env_module(tmp_path_factory):
+    """User environments that work, raise (constructor, step), answer no Reply, or hang."""
+    folder = tmp_path_factory.mktemp("envs")
+    (folder / f"{ENVS}.py").write_text(textwrap.dedent('''
+        import time
+        from gspo.envs import Observation, Reply
+        from gspo.errors import UserError
+        class Base:
+            def __init__(self, example, wait=0.0):
+                self.wait = wait
+            def reward(self):
+                return None
+        class Counter(Base):
+            def step(self, turn):
+                return Reply(None) if turn.text == "stop" else Reply(Observation(text="+"))
+        class BadInit(Base):
+            def __init__(self, example):
+                raise RuntimeError("no table for " + example.answer)
+        class Raises(Base):
+            def step(self, turn):
+                raise KeyError(turn.text)
+        class NotAReply(Base):
+            def step(self, turn):
+                return "ok"
+        class BadObservation(Base):
+            def step(self, turn):
+                return Reply("ok")
+        class Hangs(Base):
+            def step(self, turn):
+                time.sleep(self.wait)
+                return Reply(None)
+        class SlowInit(Base):
+            def __init__(self, example):
+                time.sleep(2)
+        class Stops(Base):
+            def step(self, turn):
+                raise UserError("the user's own one line")
+    '''))
+    sys.path.insert(0, str(folder))
+    yield
+    sys.path.remove(str(folder))
+    sys.modules.pop(ENVS, None)
+
+
+EXAMPLE = tasks.Example("What is 2+3?", "5")
+FAULTS = [   # (class, where it fails, the error as the line gives it)
+    ("BadInit", "constructor", "RuntimeError: no table for 5"),
+    ("SlowInit", "constructor", "timed out after 0.5 s"),
+    ("Raises", "step (turn 1 'go')", "KeyError: 'go'"),
+    ("NotAReply", "step (turn 1 'go')", "step returned str, expected gspo.envs.Reply"),
+    ("BadObservation", "step (turn 1 'go')",
+     "step returned a Reply whose observation is str, expected gspo.envs.Observation or None"),
+    ("Hangs", "step (turn 1 'go')", "timed out after 0.5 s"),
+]
+
+
+def line(name: str, where: str, error: str) -> str:
+    return (f"environment '{ENVS}:{name}' failed in {where} (example 'What is 2+3?'): {error}")
+
+
+@pytest.mark.parametrize("name, where, error", FAULTS)
+def test_a_failing_user_environment_stops_the_run_in_one_line(env_module, name, where, error):
+    from gspo.envs.guard import EnvError, Guard
+    params = {"wait": 30.0} if name == "Hangs" else {}
+    guard = Guard(f"{ENVS}:{name}", params, timeout_s=0.5, on_error="fail")
+    with pytest.raises(EnvError) as err:
+        guard(EXAMPLE).step(envs.Turn("go"))
+    assert str(err.value) == (f"{line(name, where, error)}. multiturn.on_env_error=fail: fix the "
+                              f"environment, or set multiturn.on_env_error=end to end such "
+                              f"episodes and count them")
+
+
+@pytest.mark.parametrize("name, where, error", FAULTS)
+def test_under_end_a_failing_user_environment_ends_the_episode_counted(env_module, capsys, name,
+                                                                       where, error):
+    from gspo.envs.guard import Guard
+    from gspo.rollout.episodes.turn_loop import Budgets, episode_metrics, run_episodes
+    params = {"wait": 30.0} if name == "Hangs" else {}
+    guard = Guard(f"{ENVS}:{name}", params, timeout_s=0.5, on_error="end")
+    environments = [guard(EXAMPLE), Guard(f"{ENVS}:Counter", {}, on_error="end")(EXAMPLE)]
+    turns = {0: [[65]], 1: [[65], [66]]}                         # row 1 goes on: two turns
+    sample = lambda contexts, room, rows: [(turns[i].pop(0) + [0], [0.0, 0.0]) for i in rows]
+    rows = run_episodes(sample, [[1], [1]], environments, lambda obs: [43],
+                        lambda ids: "".join(map(chr, ids)), 0,
+                        Budgets(max_turns=2, max_new_tokens=4, max_total_tokens=20))
+    assert [r.end for r in rows] == ["env_error", "turns"] and len(rows[0].turns) == 1
+    metrics = episode_metrics(rows)
+    assert metrics["multiturn/end_env_error"] == 0.5 and metrics["multiturn/env_errors_mean"] == 0.5
+    warned = capsys.readouterr().err.strip()
+    said = line(name, where, error).replace("'go'", "'A'")                 # this turn's text: A
+    assert warned == f"warning: {said}; the episode ends (multiturn/env_errors_mean)"
+
+
+def test_a_guarded_environment_answers_as_its_own_and_passes_a_user_error_on(env_module):
+    from gspo.envs.guard import EnvError, Guard
+    guard = Guard(f"{ENVS}:Counter", {}, on_error="end")
+    env = guard(EXAMPLE)
+    assert env.step(envs.Turn("go")) == envs.Reply(envs.Observation(text="+"))
+    assert env.step(envs.Turn("stop")) == envs.Reply(None) and env.reward() is None
+    with pytest.raises(UserError, match="^the user's own one line$"):     # as raised, whatever the policy
+        Guard(f"{ENVS}:Stops", {}, on_error="end")(EXAMPLE).step(envs.Turn("go"))
+    with pytest.raises(EnvError, match="failed in constructor"):          # the cold start's: strict
+        Guard(f"{ENVS}:BadInit", {}, on_error="end").strict()(EXAMPLE)
+
+
+def test_too_many_hung_steps_stop_the_run(env_module):
+    from gspo.envs.guard import EnvError, Guard
+    guard = Guard(f"{ENVS}:Hangs", {"wait": 30.0}, timeout_s=0.2, on_error="end", max_hung=1)
+    env = guard(EXAMPLE)
+    assert env.step(envs.Turn("go")).error is not None
+    with pytest.raises(EnvError, match=f"^environment '{ENVS}:Hangs' hung 2 times "
+                                       r"\(multiturn.env_timeout_s=0.2\); each leaves a thread running"):
+        env.step(envs.Turn("go"))

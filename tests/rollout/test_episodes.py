@@ -55,7 +55,7 @@ def test_a_new_episode_is_one_class_and_a_registry_line(monkeypatch, fresh):
         metrics: dict = {}
 
         @classmethod
-        def from_config(cls, cfg):
+        def from_config(cls, cfg, task=None):
             return cls()
 
         @staticmethod

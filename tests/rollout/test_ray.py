@@ -2,12 +2,12 @@
 machine, in runs: s = 0 is the colocated run (metrics and weights), a killed generator replaced
 with nothing lost, s = 1 the colocated asynchronous run; a SIGKILLed trainer leaves no process
 behind, a finished one neither, a lost cluster ends the run in one line; bad input is one line,
-exit 2, before training. The engine alone (bit-equal syncs, shards, a killed generator):
-tests/rollout/test_ray_engine.py.
+exit 2, before training; every server of the cluster refuses a client without the run's token.
+The engine alone (bit-equal syncs, shards, a killed generator): tests/rollout/test_ray_engine.py.
 
-Each cluster start costs seconds (``ray start``, actors importing torch and transformers). Ray's
-token authentication is off for the session (no ~/.ray/auth_token written); a local cluster
-lives in /tmp/gspo-ray-*, removed when it stops."""
+Each cluster start costs seconds (``ray start``, actors importing torch and transformers). A
+test's own ``ray.init`` runs without token authentication (no ~/.ray/auth_token written); a
+local cluster uses its run's token and lives in /tmp/gspo-ray-*, removed when it stops."""
 
 import importlib.util
 import os
@@ -279,3 +279,94 @@ def test_what_ray_cannot_serve_is_refused(tmp_path, overrides, message):
 def test_the_async_worker_on_ray_is_a_thread(tmp_path):
     cfg = _placement(tmp_path, "rollout.async=true")
     assert cfg.rollout.async_worker == "thread"
+
+
+# ------------------------------------------------------------------------ security
+GRPC_PROBES = ("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo", "/ray.rpc.NodeManagerService/GetNodeStats",
+               "/ray.rpc.ObjectManagerService/Pull", "/ray.rpc.CoreWorkerService/GetCoreWorkerStats",
+               "/ray.rpc.RayletDriver/ClusterInfo")
+"""A method of each server a Ray 2.60 node runs (GCS, raylet, object manager, worker, client
+server); a server answers UNIMPLEMENTED for the others, before any authentication."""
+
+
+LOOPBACK = re.compile(r"(::ffff:)?127\.|::1$")
+
+
+def listeners(pids) -> set[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP socket ``pids`` listen on."""
+    psutil = pytest.importorskip("psutil")
+    out = set()
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out |= {(c.laddr.ip, c.laddr.port, p.name()) for c in p.net_connections(kind="tcp")
+                    if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            continue                                            # gone meanwhile
+    return out
+
+
+def refuses_without_token(host: str, port: int, token: str) -> str:
+    """How the server at host:port answers a client without ``token``: 'refused' when every
+    method it serves demands it (gRPC UNAUTHENTICATED, HTTP 401) and one of them works with it,
+    else what it did."""
+    import urllib.error
+    import urllib.request
+    grpc = pytest.importorskip("grpc")
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        served = []
+        for method in GRPC_PROBES:
+            call = channel.unary_unary(method)
+            try:
+                call(b"", timeout=5)
+                return f"{method}: answered without the token"
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    continue
+                if err.code() != grpc.StatusCode.UNAUTHENTICATED:
+                    break                                       # not gRPC: HTTP below
+                served.append(method)
+            try:
+                call(b"", timeout=5, metadata=[("authorization", f"Bearer {token}")])
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    return f"{method}: refused the run's token too"
+        if served:
+            return "refused"
+    try:
+        urllib.request.urlopen(f"http://{host}:{port}/", timeout=5)
+        return "HTTP: answered without the token"
+    except urllib.error.HTTPError as err:
+        return "refused" if err.code == 401 else f"HTTP {err.code}"
+    except OSError as err:
+        return f"neither gRPC nor HTTP: {err}"
+
+
+@needs_ray
+def test_the_local_cluster_refuses_a_client_without_the_runs_token():
+    """Ray 2.60's servers listen beyond loopback whatever the node address: each server of the
+    run's cluster that does (GCS, raylet, object manager, the generator's worker, the client
+    server, the runtime-env agent) refuses a client without the run's token, on the address it
+    listens on (the trainer's Ray worker too; its weight group's store listens on loopback
+    only); the token is on no command line; the trainer's Ray settings are restored after."""
+    from gspo.models.presets import build_model
+    model, tokenizer = build_model("tiny-dense", 0)
+    before = {k: os.environ.get(k) for k in ray_cluster.AUTH_VARS}
+    engine = ray_generators.build("hf", model.eval(), tokenizer, ray_cluster.RaySpec(generators=1, cpus=1))
+    try:
+        token = engine.cluster.token
+        assert len(token) == 64 and os.environ["RAY_AUTH_TOKEN"] == token
+        processes = {q for p in members(engine.cluster.pgid) for q in {p, *descendants(p)}}
+        found = listeners(processes | {engine.cluster.pgid, os.getpid()})     # the trainer's too
+        names = {name for _, _, name in found}
+        assert {"gcs_server", "raylet"} <= names and any("Generator" in n for n in names), names
+        beyond = [(ip, port, name) for ip, port, name in found if not LOOPBACK.match(ip)]
+        assert {"gcs_server", "raylet"} <= {name for _, _, name in beyond}
+        for ip, port, name in sorted(beyond):
+            host = "127.0.0.1" if ip in ("0.0.0.0", "::") else ip.removeprefix("::ffff:")
+            assert refuses_without_token(host, port, token) == "refused", (ip, port, name)
+        assert token not in Path(f"/proc/{engine.cluster.keeper.pid}/cmdline").read_text()
+    finally:
+        engine.close()
+    assert {k: os.environ.get(k) for k in ray_cluster.AUTH_VARS} == before
+    assert not clusters_left()

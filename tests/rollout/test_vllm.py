@@ -164,13 +164,13 @@ def test_a_seeded_batch_longer_than_one_engine_step(dense):
     4,096 tokens per engine step: with chunked prefill, the prompt cut across two steps has its
     sampled token discarded and its seeded generator rewound by an offset, which a CPU generator
     does not have ("CPU Generator does not use offset"; the long job failed so). On a CPU the
-    engine admits whole prompts only (``engines.whole_prefills``): the batch is sampled, and
+    engine admits whole prompts only (``engines.vllm.whole_prefills``): the batch is sampled, and
     sampled again the same for the same seed."""
     _, tok, engine = dense
     gen = torch.Generator().manual_seed(0)
     prompts = [tok("S " + " ".join(str(d) for d in torch.randint(0, 10, (20,), generator=gen).tolist())
                    )["input_ids"] for _ in range(64)]
-    assert sum(len(p) for p in prompts) * G > engines.CPU_PREFILL_TOKENS
+    assert sum(len(p) for p in prompts) * G > engines.vllm.CPU_PREFILL_TOKENS
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
     a = engine.generate(prompts, G, params, seed=5)
     b = engine.generate(prompts, G, params, seed=5)

@@ -5,7 +5,7 @@ test_vllm.py: vLLM serves one architecture per process).
 * after a weight sync, of unchanged and of moved weights, vLLM's sampling log-probs equal the
   trainer's recomputation to 1e-5 in float32;
 * vLLM's own ``reload_weights`` alone still leaves the CPU experts stale (log-probs off by about
-  0.13): what ``engines.forget_moe_kernels`` repairs. When that test fails, vLLM repairs it itself
+  0.13): what ``engines.vllm.forget_moe_kernels`` repairs. When that test fails, vLLM repairs it itself
   and the repair can go;
 * a short default-job run on tiny-moe samples synced experts on every step.
 """

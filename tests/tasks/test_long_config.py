@@ -4,7 +4,7 @@ What the job promises and can be checked without a model: worked-step answers (n
 answers), a budget of at least 96 new tokens that every correct held-out answer fits with its EOS,
 correct answers averaging at least 40 tokens, and a flawed teacher that errs only on long lists.
 The learning outcomes (cold start per seed, RL gain, wall time) are measured runs, reported in
-docs/results.md, "The long-response job".
+docs/results/long-job.md.
 """
 
 import statistics

@@ -26,7 +26,7 @@ def gspo(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 # ------------------------------------------------------------------------------- subprocess
 
-@pytest.mark.parametrize("args", [[], ["train"], ["sft"], ["eval"], ["report"]])
+@pytest.mark.parametrize("args", [[], ["train"], ["sft"], ["eval"], ["report"], ["mechanism"]])
 def test_help_exits_0(args):
     out = gspo(*args, "--help")
     assert out.returncode == 0, out.stderr

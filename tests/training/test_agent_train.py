@@ -69,11 +69,11 @@ def test_an_agent_trains_under_the_async_worker(make_cfg, tmp_path, monkeypatch,
     assert step and all(r["agent/errors"] == 0 and r["agent/calls_mean"] == 1 for r in step)
 
 
-def test_a_template_that_is_not_prefix_preserving_is_refused_at_set_up(make_cfg):
+def test_a_template_that_rewrites_sampled_turns_is_refused_at_set_up(make_cfg):
     from conftest import THINK_STRIPPING_TEMPLATE
     from gspo.rollout.turns import TemplateError
     cfg = make_cfg(*CHAT, "sft.enabled=false", "rollout.episode=agent", "agent.fn=json:loads")
     trainer = Trainer(cfg, log=lambda m: None)
     trainer.task.tokenizer.chat_template = THINK_STRIPPING_TEMPLATE
-    with pytest.raises(TemplateError, match="not prefix-preserving"):
+    with pytest.raises(TemplateError, match="rewrites the assistant turn the policy sampled"):
         trainer.setup()

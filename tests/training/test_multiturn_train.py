@@ -4,6 +4,9 @@ run, and a short calculator run with its tool moves the multiturn/* metrics."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -33,13 +36,13 @@ def test_refusals(overrides, message):
         load_config(None, overrides)
 
 
-def test_a_template_that_is_not_prefix_preserving_is_refused_at_set_up(make_cfg, reward_module, tmp_path):
+def test_a_template_that_rewrites_sampled_turns_is_refused_at_set_up(make_cfg, reward_module, tmp_path):
     from gspo.rollout.turns import TemplateError
     cfg = make_cfg("sft.enabled=false", parity_rewards(reward_module), "model.tokenizer=bpe", "task.chat=true",
                    "multiturn.env=single", "task.n_train=40")
     trainer = Trainer(cfg, log=lambda m: None)
     trainer.task.tokenizer.chat_template = THINK_STRIPPING_TEMPLATE
-    with pytest.raises(TemplateError, match="not prefix-preserving"):
+    with pytest.raises(TemplateError, match="rewrites"):
         trainer.setup()
 
 
@@ -151,3 +154,84 @@ def test_the_cold_start_alone_trains_on_the_multiturn_demonstrations(make_cfg):
     # measured with seeds 2, 3, 4 as well (this test's config, seed=S): 1.0 on each, so 0.5 has
     # a wide margin; a single-turn cold start calls on none (0.0)
     assert episode.metrics["multiturn/tool_call_rate"] > 0.5
+
+
+# -------------------------------------------------------------- a user's environment that fails
+ENVS = "gspo_failing_envs"
+
+
+@pytest.fixture
+def env_module(tmp_path):
+    """User environments whose constructor or step raises, for runs in this process and in a
+    subprocess (its folder is on the path of both)."""
+    import sys
+    import textwrap
+    folder = tmp_path / "envs"
+    folder.mkdir()
+    (folder / f"{ENVS}.py").write_text(textwrap.dedent('''
+        class BadInit:
+            def __init__(self, example):
+                raise RuntimeError("no table")
+        class Raises:
+            def __init__(self, example):
+                pass
+            def step(self, turn):
+                raise KeyError("boom")
+            def reward(self):
+                return None
+    '''))
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+    sys.modules.pop(ENVS, None)
+
+
+def test_an_environment_that_raises_in_the_cold_start_is_one_line_exit_2(make_cfg, env_module, tmp_path):
+    """As a user runs it: `gspo train` with an environment whose step raises, in a subprocess;
+    the cold start's demonstrations meet it: one line, exit 2, no traceback."""
+    import os
+    import subprocess
+    import sys
+    from gspo.config import dump_yaml
+    cfg = make_cfg(f"multiturn.env={ENVS}:Raises", "multiturn.on_env_error=end")   # strict anyway
+    dump_yaml(cfg, tmp_path / "cfg.yaml")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(env_module), *sys.path])}
+    out = subprocess.run([sys.executable, "-m", "gspo", "train", str(tmp_path / "cfg.yaml")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert re.fullmatch(rf"gspo: error: environment '{ENVS}:Raises' failed in step \(turn 1 '.*'\) "
+                        rf"\(example '.*'\): KeyError: 'boom'\. multiturn\.on_env_error=fail: fix the "
+                        rf"environment, or set multiturn\.on_env_error=end .*", lines[-1]), lines[-1]
+    assert "Traceback" not in out.stderr
+
+
+def test_an_environment_whose_constructor_raises_is_refused_at_set_up(make_cfg, env_module, capsys):
+    from gspo.cli import main
+    from gspo.config import dump_yaml
+    cfg = make_cfg(f"multiturn.env={ENVS}:BadInit", "multiturn.on_env_error=end", "sft.enabled=false")
+    dump_yaml(cfg, Path(cfg.run.dir).parent / "cfg.yaml")
+    assert main(["train", str(Path(cfg.run.dir).parent / "cfg.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"gspo: error: environment '{ENVS}:BadInit' failed in constructor "
+                        rf"\(example '.*'\): RuntimeError: no table\. multiturn\.on_env_error=fail.*", err), err
+    assert not Path(cfg.run.dir, "metrics.jsonl").exists()               # before any step
+
+
+def test_in_rl_a_failing_environment_stops_the_run_or_ends_its_episodes_counted(make_cfg, env_module,
+                                                                                capsys):
+    """No cold start: on_env_error=fail stops the run at the first step in one line; end trains
+    on, every episode ending at its first turn, counted (multiturn/env_errors_mean), five printed."""
+    from gspo.envs.guard import EnvError
+    overrides = [f"multiturn.env={ENVS}:Raises", "sft.enabled=false", "train.steps=2"]
+    with pytest.raises(EnvError, match=rf"^environment '{ENVS}:Raises' failed in step \(turn 1 "):
+        Trainer(make_cfg(*overrides, run="fail"), log=lambda m: None).run()
+    cfg = make_cfg(*overrides, "multiturn.on_env_error=end", run="end")
+    Trainer(cfg, log=lambda m: None).run()
+    rows = read_metrics(cfg.run.dir)[1:]
+    # every episode fails at its first turn: a closed one ends env_error, one a budget cut no_eos
+    assert [r["multiturn/env_errors_mean"] for r in rows] == [1.0, 1.0]
+    assert [r["multiturn/turns_mean"] for r in rows] == [1.0, 1.0]
+    assert all(r["multiturn/end_env_error"] + r["multiturn/end_no_eos"] == 1.0 for r in rows)
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warned) == 5 and warned[-1].endswith("(further failures are only counted)")

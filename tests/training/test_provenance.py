@@ -333,3 +333,12 @@ def test_objective_differences_by_hand():
     assert provenance.warnings_between({"code": {"gspo": "1"}, "objective": run},
                                        {"code": {"gspo": "1"}, "objective": {**run, "paper": "B"}}
                                        ) == ["objective citation: 'A' -> 'B'"]
+
+
+def test_another_cached_commit_of_a_hub_id_warns():
+    hub = {"model.path": {"id": "Qwen/Qwen3-0.6B", "revision": "a" * 40}}
+    moved = {"model.path": {"id": "Qwen/Qwen3-0.6B", "revision": "b" * 40}}
+    base = {"code": {"gspo": "1"}}
+    assert provenance.warnings_between({**base, "hub": hub}, {**base, "hub": hub}) == []
+    [line] = provenance.warnings_between({**base, "hub": hub}, {**base, "hub": moved})
+    assert line.startswith("hub: model.path.revision")

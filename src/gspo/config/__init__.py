@@ -10,7 +10,7 @@ every config file overrides; the main job is ``configs/default.yaml``, shipped i
 
 Modules, each section beside the others that configure the same package:
 
-* ``base``: ``ConfigError``, ``one_of``, ``Section``;
+* ``base``: ``ConfigError``, ``one_of``, ``Section``; ``reference``: every field with its one line;
 * ``models`` (gspo.models), ``tasks`` (gspo.tasks, gspo.rewards), ``rollout`` (gspo.rollout),
   ``objectives`` (gspo.core, the baselines' switches), ``training`` (gspo.training),
   ``observe`` (the run folder, the guard, the audit);

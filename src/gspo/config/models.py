@@ -19,7 +19,7 @@ class LoRAConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter's input during training."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    """Layers that get an adapter: all-linear (every linear layer but the output head) or a list of module names, a module matching a name when its dotted path equals it or ends with '.name' (e.g. [q_proj, v_proj]). A name that matches no module is an error."""
+    """Layers that get an adapter: all-linear or module names, e.g. [q_proj, v_proj] (docs/real-models.md)."""
 
     @field_validator("target_modules")
     @classmethod
@@ -37,15 +37,15 @@ class ModelConfig(Section):
     overrides: dict[str, Any] = {}
     """Fields set on the preset's transformers config (e.g. {num_hidden_layers: 2})."""
     tokenizer: Literal["char", "bpe"] = "char"
-    """Tokenizer of a preset (model.path brings its own): char (one token per ASCII character, no chat template) | bpe (byte-level BPE trained on the task's training text, Qwen-style: <|im_start|>/<|im_end|> ChatML template, <|im_end|> the EOS; docs/real-models.md)."""
+    """Tokenizer of a preset: char (one token per ASCII character) | bpe (byte-level BPE, ChatML template); docs/real-models.md."""
     tokenizer_vocab: int = Field(4096, ge=300)
     """bpe: the most tokens it may have (256 bytes + special tokens + merges); a small corpus stops earlier."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype (bfloat16 / float16: the weights and the optimizer state are kept in it, unless train.master_weights=float32; LoRA adapters stay float32). Logits are upcast to float32 before the log-softmax, and log-probs, ratios and the loss are always float32."""
+    """Parameter dtype; log-probs, ratios and the loss are always float32 (docs/real-models.md)."""
     device: str = "auto"
     """cpu | cuda | cuda:N | auto (cuda when available)."""
     lora: LoRAConfig | None = None
-    """LoRA adapters through peft for RL (None: off, the whole model trains), e.g. {r: 16, alpha: 32, target_modules: all-linear}: only adapter weights train, checkpoints hold the adapter (adapter_config.json + adapter_model.safetensors), evaluation merges it, the KL reference is the base with the adapter disabled. The SFT cold start, when on, trains the whole model first (docs/real-models.md)."""
+    """LoRA adapters through peft for RL, e.g. {r: 16, alpha: 32} (None: the whole model trains); docs/real-models.md."""
 
     @field_validator("preset")
     @classmethod

@@ -1,4 +1,4 @@
-"""The ``multiturn`` section (``gspo.envs``, ``gspo.rollout.multiturn``): the environment every
+"""The ``multiturn`` section (``gspo.envs``, ``gspo.rollout.episodes``): the environment every
 trajectory runs in, its tools, and the budgets of an episode (docs/multiturn.md)."""
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from gspo.envs.tools import CALL_FORMATS
 
 class MultiTurnConfig(Section):
     env: str | None = None
-    """None: single-turn rollouts (one completion per sample). Else the environment each trajectory runs in, built per trajectory from its example: a built-in (single | tools | guess, gspo.envs) or module:Class of your own."""
+    """Environment of each trajectory: single | tools | guess (gspo.envs) or module:Class; None: single-turn (docs/multiturn.md)."""
     params: dict = {}
     """Keyword arguments of a module:Class environment."""
     tools: list[str] = []
     """multiturn.env=tools: the tools, typed Python functions as module:function (docs/multiturn.md)."""
+    tools_in_prompt: bool = True
+    """task.chat: describe the tools to the model, their JSON schemas passed to the chat template as tools= (hermes: the <tools> block)."""
     call_format: str = "hermes"
-    """How a turn writes its tool calls (gspo.envs.tools.CALL_FORMATS): hermes (<tool_call>JSON</tool_call>, answered by tool messages under the chat template) | bracket ([name arg ...], answered by '=result' lines: for the character tokenizer)."""
+    """How a turn writes its tool calls: hermes (<tool_call>JSON</tool_call>) | bracket ([name arg ...]); docs/multiturn.md."""
     sandbox: bool = False
     """Run each tool in the reward sandbox's limited worker process (killable; CPU, memory and file limits; no network) instead of in-process with a timeout."""
     timeout_s: float = Field(10.0, gt=0)
@@ -30,7 +32,11 @@ class MultiTurnConfig(Section):
     sandbox_memory_mb: int = Field(1024, ge=64)
     """multiturn.sandbox: address-space limit of a tool's worker process."""
     on_tool_error: Literal["observe", "fail"] = "observe"
-    """A tool that raises, hangs, exceeds its limits or gets bad arguments: observe (its error is the observation, counted in multiturn/tool_errors_mean) | fail (the run stops with the error)."""
+    """A tool that raises, hangs or gets bad arguments: observe (the error is the observation) | fail (stop the run)."""
+    on_env_error: Literal["fail", "end"] = "fail"
+    """A module:Class environment that raises, hangs or answers no Reply: fail (the run stops, one line) | end (its episode ends; multiturn/env_errors_mean)."""
+    env_timeout_s: float = Field(30.0, gt=0)
+    """Wall-clock limit of a module:Class environment's constructor and of each of its steps."""
     max_turns: int = Field(4, ge=1)
     """Policy turns per trajectory; a row whose last allowed turn still gets an answer ends 'turns'."""
     max_total_tokens: int = Field(256, ge=2)

@@ -26,7 +26,7 @@ def objective_names() -> list[str]:
 
 class ObjectiveConfig(Section):
     name: str = "gspo"
-    """Policy loss from the registry (gspo.core.objectives.available()), with group-relative advantages; or a baseline (gspo.training.algorithms, docs/baselines.md): ppo (GAE from a critic, see the ppo section) | sft (continued SFT on demonstrations at the same step and token budget) | dpo (online DPO on each group's best-vs-worst pair, see the dpo section)."""
+    """Policy loss (gspo.core.objectives.available()) or a baseline: ppo | sft | dpo (docs/baselines.md)."""
     eps_low: float | None = Field(None, gt=0)
     """Lower clip range (None: the objective's paper default; GSPO 3e-4)."""
     eps_high: float | None = Field(None, gt=0)
@@ -37,7 +37,7 @@ class ObjectiveConfig(Section):
     params: dict[str, float] = {}
     """Extra objective hyper-parameters (e.g. {tau_pos: 1.0, tau_neg: 1.05} for sapo)."""
     preset: str | None = None
-    """A named recipe (gspo.objective_presets.available()): dapo | dr_grpo. Expanded into config values when the config is loaded (objective name, clip range, aggregation, advantage scale, trainer switches; docs/math.md): in a YAML file the file's own keys win; as a key=value override it stands for the preset's overrides at its place (over the file and earlier overrides, under later ones). The run's config.yaml shows the expanded values."""
+    """A named recipe expanded into config values when loaded: dapo | dr_grpo (docs/math.md)."""
 
     @field_validator("name")
     @classmethod
@@ -85,9 +85,9 @@ class PPOConfig(Section):
 
 class AdvantageConfig(Section):
     estimator: str = "group"
-    """Baseline of the group-relative advantage (gspo.core.advantages.available()): group (r_i − group mean, GSPO Eq. 6) | rloo (r_i − mean of the other responses of the group, arXiv 2402.14740). For the group-relative objectives; ppo uses GAE, sft and dpo no advantages."""
+    """Baseline of the group-relative advantage: group (GSPO Eq. 6) | rloo (arXiv 2402.14740); docs/math.md."""
     scale: Literal["group", "batch", "none"] | None = None
-    """Divide the centred rewards by the group std (paper Eq. 6), the batch std, or nothing. Unset: the estimator's own (group: group; rloo: none), filled in when the config is resolved. rloo takes group or none."""
+    """Divide centred rewards by the group std | batch std | none (unset: the estimator's own); docs/math.md."""
     eps: float = Field(1e-6, gt=0)
     """Added to the std before dividing."""
 
@@ -105,12 +105,12 @@ class AdvantageConfig(Section):
 
 class DPOConfig(Section):
     beta: float = Field(0.1, gt=0)
-    """objective.name=dpo: β of the DPO loss −log σ(β[(log π_θ − log π_ref)(y_w) − (log π_θ − log π_ref)(y_l)]) (0.1, as arXiv 2305.18290's experiments and TRL's DPOConfig)."""
+    """objective.name=dpo: β of the DPO loss (0.1 as arXiv 2305.18290 and TRL); docs/math.md."""
 
 
 class RolloutCorrectionConfig(Section):
     mode: str | None = None
-    """None: the engine's default (Engine.default_correction of gspo.rollout.engines: none for hf, tis for vllm; none under train.old_logprobs=rollout), filled in when the config is resolved; a run's config.yaml shows the value used. Weight or mask the policy loss by π_old/π_rollout, the trainer's recomputed log-probs over the sampler's (gspo.core.correction, docs/math.md): none | tis (token weight min(ρ_t, cap)) | seq_tis (response weight min(ρ_i, cap), ρ_i the geometric mean) | seq_mask (drop a response unless low ≤ ρ_i ≤ high) | icepop (drop a token unless low ≤ ρ_t ≤ high). Anything but none asks the sampler for its log-probs and logs mismatch/kl, ratio_min, ratio_max, masked_frac, is_weight_mean."""
+    """Weight or mask the loss by π_old/π_rollout: none | tis | seq_tis | seq_mask | icepop (None: the engine's default)."""
     cap: float | None = Field(None, gt=0)
     """tis, seq_tis: the truncation C of the importance weight (None: 2.0)."""
     low: float | None = Field(None, ge=0)

@@ -24,11 +24,15 @@ class RunConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     """How many step checkpoints to keep (the final one is always kept)."""
     trackers: list[str] = ["tensorboard"]
-    """Experiment trackers the step metrics go to besides metrics.jsonl (gspo.observe.trackers.available()): tensorboard (run.dir/tb) | wandb (offline unless WANDB_MODE says otherwise) | mlflow (a local file: store, run.dir/mlruns, unless MLFLOW_TRACKING_URI is set) | trackio (local). [] for none."""
+    """Experiment trackers besides metrics.jsonl: tensorboard | wandb | mlflow | trackio; [] for none (docs/real-models.md)."""
+    samples_every: int = Field(10, ge=0)
+    """Every this many RL steps, a few prompts' completions with rewards, advantages, ratio and clip to samples.jsonl and the trackers (0: never)."""
+    samples_prompts: int = Field(2, ge=1)
+    """Prompts (each with its G completions) kept per samples_every step."""
     progress: bool = True
     """Show a progress bar (disabled automatically when stderr is not a terminal)."""
     threads: int = Field(1, ge=0)
-    """torch CPU threads (torch.set_num_threads), set when training starts; 0 leaves torch's default (one per core). Why 1 is the default: docs/performance.md (Threads)."""
+    """torch CPU threads, set when training starts (0: torch's default, one per core); docs/performance.md."""
 
     @model_validator(mode="before")
     @classmethod
@@ -76,7 +80,7 @@ class GuardRule(Section):
     warmup: int = Field(0, ge=0)
     """Skip this many RL steps before the rule is checked."""
     judges: Literal["update", "batch"] | None = None
-    """What a firing rule blames, so where a roll-back goes: update (this step's update: back to the checkpoint before the step) | batch (the step's samples, drawn by the previous update's weights: one checkpoint further back, since re-running the step would draw the same batch). Default: the kind's (reward_drop: batch; the rest: update); e.g. batch for a metric rule on mismatch/* or reward/*."""
+    """What a firing rule blames, so where a roll-back goes: update | batch (default: the kind's); docs/trust.md."""
 
     @model_validator(mode="after")
     def _kind(self) -> "GuardRule":

@@ -287,6 +287,10 @@ def task_keys(out: Resolved, env: Environment) -> None:
     for key in [p.name for p in params if p.default is p.empty and p.name in type(t).model_fields]:
         if getattr(t, key) is None:
             raise ValueError(f"task.{key} is required when task.name={t.name}")
+    if t.name == "dataset" and t.dataset is None:   # files, or a Hugging Face dataset
+        for key in ("train_file", "test_file"):
+            if getattr(t, key) is None:
+                raise ValueError(f"task.{key} is required when task.name=dataset (or task.dataset)")
 
 
 def chat_template(out: Resolved, env: Environment) -> None:

@@ -34,7 +34,7 @@ class TrainLoopConfig(Section):
     minibatches: int = Field(4, ge=1)
     """M: optimizer steps per rollout batch (the paper uses 4)."""
     minibatch_by: Literal["groups", "rows"] = "groups"
-    """How the batch is dealt into the M minibatches: groups (whole groups of G responses to one prompt, shuffled; each prompt's columns then run once per step in the forward/backward, not once per minibatch; needs rollout.prompts_per_step >= M, and minibatches differ by a group when M does not divide it) | rows (every response on its own, shuffled: each minibatch sees most prompts). Measured in docs/performance.md (speed) and docs/math.md (learning)."""
+    """How the batch is dealt into the M minibatches: groups (whole groups) | rows (single responses); docs/results/performance/speed-paths.md."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     warmup_steps: int = Field(0, ge=0)
@@ -60,19 +60,19 @@ class TrainLoopConfig(Section):
     logprob_chunk: int = Field(1024, ge=1)
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
     activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward instead of keeping them (transformers activation checkpointing, non-reentrant) during the RL update: less memory, about one extra forward of time; the update's forwards then do not share prompts (docs/real-models.md)."""
+    """Recompute decoder layers' activations in backward during the RL update: less memory, about one more forward."""
     master_weights: Literal["model", "float32"] = "model"
-    """What AdamW steps: model (the parameters in model.dtype; bfloat16 rounds away updates below half a bfloat16 step of the weight) | float32 (a float32 master copy of every lower-precision parameter and float32 moments; forward, backward and gradients stay in model.dtype, each step writes the rounded masters back; float32 parameters are their own masters). The RL update only, not the cold-start SFT; not with dist.strategy=fsdp (docs/real-models.md)."""
+    """What AdamW steps: model (parameters in model.dtype) | float32 (float32 master copies); docs/real-models.md."""
     log_rollout_logprobs: bool = False
     """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Rollout-mismatch correction (off by default): see its mode."""
     skip_zero_advantage: bool = True
-    """Skip the old-log-prob and training forward/backward of responses with Â = 0 (zero-variance groups) or an empty loss mask: every objective's loss is 0 there, so the update is the same. They enter the loss with ratio 1; entropy and MoE metrics cover the rows trained on. Off by itself with beta > 0, entropy_coef > 0, moe.aux_loss_coef > 0 or an audited step."""
+    """Skip forward/backward of rows with Â = 0 or an empty mask (their loss is 0); docs/results/performance/speed-paths.md."""
 
 
 class DistConfig(Section):
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    """Data parallelism under torchrun (ignored in one process): ddp (every rank holds the whole model; gradients summed by all-reduce after backward) | fsdp (FSDP2 fully_shard per decoder layer: weights, gradients and optimizer state sharded). docs/distributed.md."""
+    """Data parallelism under torchrun: ddp (whole model per rank) | fsdp (FSDP2, sharded per decoder layer); docs/distributed.md."""
     timeout_s: float = Field(1800.0, gt=0)
     """How long a rank waits in a collective (rank 0 evaluates and writes checkpoints while the others wait)."""

@@ -62,8 +62,12 @@ class Reply:
     """Tool calls this turn made."""
     tool_errors: int = 0
     """Of them, the ones that failed (raised, hung, exceeded a limit, could not be parsed)."""
+    parse_errors: int = 0
+    """Tool calls this turn that could not be parsed (malformed, unclosed)."""
     info: dict = field(default_factory=dict)
     """Anything else to keep with the trajectory (e.g. the calls, for reward functions)."""
+    error: str | None = None
+    """Set by ``gspo.envs.guard`` only: the environment failed (why, one line); the episode ends."""
 
 
 @runtime_checkable
@@ -117,7 +121,7 @@ def build(name: str, example: Example, **params) -> Environment:
 
 @register("single")
 class SingleTurn:
-    """The trivial episode: done after the policy's first turn (today's single-turn rollouts)."""
+    """The trivial episode: done after the policy's first turn (the single-turn rollouts)."""
 
     def __init__(self, example: Example):
         self.example = example

@@ -5,13 +5,18 @@ run (in-process with a timeout, or in the reward sandbox's limited process), res
 
 * A **tool** is a typed function ``def add(a: int, b: int) -> int``: every parameter annotated
   with str, int, float or bool, the return too, no ``*args`` / ``**kwargs`` (``load_tool``
-  refuses anything else in one line, before a model is built). Its docstring is its description.
+  refuses anything else in one line, before a model is built). Its docstring is its description:
+  ``tool_schema`` writes it as a JSON schema (``transformers.utils.get_json_schema``'s convention,
+  the docstring's ``Args:`` describing each parameter), which chat prompts pass to the template
+  as ``tools=`` (the ``<tools>`` block of hermes templates such as Qwen3's).
 * A **call format** reads the calls out of a turn and writes the results back:
   ``hermes`` (Hermes / Qwen3 chat models: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   answered by ``tool`` messages for the chat template to render) and ``bracket`` (a format for the
   character tokenizer: ``[add 12 30]``, arguments split on spaces, answered by the text
   ``=42`` and a newline).
-* A turn with no call ends the episode; so does a turn a budget cut (no end-of-turn token).
+* A turn with no call ends the episode; so does a turn a budget cut (no end-of-turn token). A call
+  that cannot be parsed (bad JSON, an unclosed ``<tool_call>``) counts as a parse error
+  (``multiturn/tool_parse_errors``), so a run that never manages a call is visible.
 * A tool that raises, hangs past ``timeout_s``, exceeds the sandbox's limits or gets arguments
   that do not fit its signature answers ``error: ...`` and counts as a tool error
   (``on_tool_error: observe``); ``fail`` stops the run with the error instead.
@@ -27,6 +32,9 @@ import re
 import typing
 from dataclasses import dataclass
 from typing import Callable
+
+from transformers.utils import get_json_schema
+from transformers.utils.chat_template_utils import DocstringParsingException
 
 from gspo.envs.base import Observation, Reply, Turn, register
 from gspo.errors import RewardFault, UserError
@@ -76,6 +84,27 @@ def load_tool(spec: str) -> Tool:
         raise ValueError(f"tool {spec!r}: the return must be annotated with one of str, int, float, "
                          f"bool (got {hints.get('return', 'no annotation')})")
     return Tool(fn.__name__, fn, spec, tuple(params), inspect.getdoc(fn) or "")
+
+
+JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def tool_schema(tool: Tool) -> dict:
+    """The tool as a JSON schema (``get_json_schema``: name, description, each parameter's type and
+    description); a docstring without ``Args:`` gives the parameters' types only."""
+    try:
+        return get_json_schema(tool.fn)
+    except DocstringParsingException:
+        return {"type": "function", "function": {
+            "name": tool.name, "description": tool.doc.split("\n\n")[0].strip(),
+            "parameters": {"type": "object",
+                           "properties": {n: {"type": JSON_TYPES[t]} for n, t in tool.params},
+                           "required": [n for n, _ in tool.params]}}}
+
+
+def tool_schemas(specs: list[str]) -> list[dict]:
+    """The JSON schemas of the tools ``specs`` name (``module:function``), in order."""
+    return [tool_schema(load_tool(spec)) for spec in specs]
 
 
 def bind(tool: Tool, arguments: dict | list) -> dict:
@@ -128,6 +157,10 @@ class CallFormat(typing.Protocol):
         """The observation for the results of the turn's calls, in order."""
         ...
 
+    def unclosed(self, text: str) -> int:
+        """Calls begun but never closed (they parse as no call, and count as parse errors)."""
+        ...
+
 
 CALL_FORMATS: Registry[CallFormat] = Registry("tool call format")
 
@@ -154,6 +187,9 @@ class Hermes:
     def answer(self, results: list[str]) -> Observation:
         return Observation(messages=tuple({"role": "tool", "content": r} for r in results))
 
+    def unclosed(self, text: str) -> int:
+        return max(0, text.count("<tool_call>") - len(self.PATTERN.findall(text)))
+
 
 class Bracket:
     """``[add 12 30]`` (name, then arguments split on spaces), answered by ``=42`` + newline each."""
@@ -165,6 +201,9 @@ class Bracket:
 
     def answer(self, results: list[str]) -> Observation:
         return Observation(text="".join(f"={r}\n" for r in results))
+
+    def unclosed(self, text: str) -> int:
+        return 0
 
 
 CALL_FORMATS.add("hermes", Hermes())
@@ -189,6 +228,10 @@ class ToolRunner:
         self.caller = TimedCaller(timeout_s, max_hung)
         self.sandboxes = {name: SandboxedFunction(t.spec, sandbox, kind="tool")
                           for name, t in self.tools.items()} if sandbox else {}
+
+    def schemas(self) -> list[dict]:
+        """Each tool's JSON schema (``tool_schema``), in the configured order."""
+        return [tool_schema(t) for t in self.tools.values()]
 
     def run(self, call: ToolCall | str) -> tuple[str, bool]:
         """(the result's text, failed) of one parsed call."""
@@ -243,8 +286,9 @@ class ToolEnv:
 
     def step(self, turn: Turn) -> Reply:
         calls = self.format.parse(turn.text) if turn.ended else []
+        unclosed = self.format.unclosed(turn.text) if turn.ended else 0
         if not calls:
-            return Reply(None)
+            return Reply(None, parse_errors=unclosed)
         results, errors = [], 0
         for call in calls:
             text, failed = self.runner.run(call)
@@ -253,6 +297,7 @@ class ToolEnv:
             self.calls.append({"call": call if isinstance(call, str) else {"name": call.name, "arguments": call.arguments},
                                "result": text, "failed": failed})
         return Reply(self.format.answer(results), tool_calls=len(calls), tool_errors=errors,
+                     parse_errors=unclosed + sum(isinstance(c, str) for c in calls),
                      info={"calls": self.calls})
 
     def reward(self) -> float | None:

@@ -36,6 +36,7 @@ from transformers import (
 )
 
 from gspo.errors import UserError
+from gspo.hub import local_path
 from gspo.registry import Registry
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -194,11 +195,12 @@ def adapter_base(path: str | Path) -> Path:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                tokenizer: PreTrainedTokenizerBase | None = None, key: str = "checkpoint"
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Any local causal-LM checkpoint directory (transformers format); never downloads. A LoRA
+    """Any causal-LM checkpoint directory (transformers format), or a hub id from the Hugging Face
+    cache (``gspo.models.hub``: downloaded only when not cached and not offline). A LoRA
     adapter directory is loaded onto its base (``adapter_base``) and merged: a plain model. One
     that cannot be read is a UserError naming ``key`` (e.g. model.path). ``tokenizer``: use this
     one (e.g. with its EOS set to the chat end-of-turn) instead of the checkpoint's own."""
-    path = Path(path)
+    path = Path(local_path(path, key))
     if is_adapter_dir(path):
         base, _ = load_model(adapter_base(path), dtype, key=key)
         with reading_checkpoint(key, path), warnings.catch_warnings():

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from gspo.observe.samples import truncate_samples
 from gspo.storage import append_line, write_atomic, writing
 from gspo.observe.trackers import open_trackers
 
@@ -48,7 +49,9 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop rows past the checkpoint (and a line cut short by a kill) so the log
-        matches the restored state. Rewritten atomically: a second kill loses nothing."""
+        matches the restored state (samples.jsonl too). Rewritten atomically: a second kill loses
+        nothing."""
+        truncate_samples(self.path.parent, step)
         if not self.path.is_file():
             return
         rows = [line for line in self.path.read_text().splitlines()
@@ -67,6 +70,12 @@ class MetricsWriter:
                     tracker.log(numbers, row["step"])
             if time.monotonic() - self._flushed >= self.flush_s:
                 self.flush()
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        """What the model wrote at ``step`` (gspo.observe.samples) to the trackers that show text."""
+        for tracker in self._trackers:
+            with self._writing(tracker):
+                tracker.log_samples(rows, step)
 
     def flush(self) -> None:
         """Write the trackers' pending events now."""
@@ -88,6 +97,9 @@ class NullWriter:
         pass
 
     def write(self, row: dict) -> None:
+        pass
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
         pass
 
     def flush(self) -> None:

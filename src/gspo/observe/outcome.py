@@ -2,7 +2,7 @@
 
 ``accuracy_change(before, after)`` compares two evaluations of the same ``n`` prompts (the dicts
 of ``EvalResult.as_dict``) and gives the change with the standard error of one evaluation,
-``sqrt(p (1 - p) / n)`` at p = the mean of the two accuracies (binomial; docs/results.md, "Greedy
+``sqrt(p (1 - p) / n)`` at p = the mean of the two accuracies (binomial; docs/short-answers.md, "Greedy
 accuracy on short answers"). ``change_line`` is the sentence the CLI ends a run with; a fall is
 always called a fall, and said to be beyond or within that standard error. This module judges
 numbers it is given; it evaluates nothing.

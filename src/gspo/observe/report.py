@@ -1,7 +1,7 @@
 """Run report: PNG plots of the logged metrics and a ``report.md`` that links them.
 
 Reads only the run folder (``metrics.jsonl``, ``summary.json``, ``config.yaml``,
-``provenance.json``), so
+``provenance.json``, ``samples.jsonl``: the best and worst completion of the last step), so
 ``gspo report RUN_DIR`` rebuilds it at any time, including for a run that is still going.
 """
 
@@ -20,6 +20,7 @@ from gspo.observe.stability_rules import event_table, read_events  # noqa: E402
 from gspo.observe.metrics import read_metrics  # noqa: E402
 from gspo.observe.timing import PARTS  # noqa: E402
 from gspo.observe.provenance import read as read_provenance, table as provenance_table  # noqa: E402
+from gspo.observe.samples import best_and_worst, read_samples  # noqa: E402
 
 # (metric key, title); a panel is drawn only when the run logged that metric.
 PANELS = [
@@ -81,6 +82,20 @@ def _fmt(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def sample_lines(run_dir: Path) -> list[str]:
+    """The best and the worst completion of the last step in samples.jsonl (none: no section)."""
+    rows = read_samples(run_dir, -1)
+    pair = best_and_worst(rows)
+    if pair is None:
+        return []
+    lines = ["", f"## Samples of step {rows[0]['step']}", "",
+             f"Best and worst by reward; all of them: `gspo samples {run_dir} --step {rows[0]['step']}`."]
+    for label, (row, c) in zip(("best", "worst"), pair):
+        lines += ["", f"**{label}** (reward {c['reward']:.3f}, advantage {c['advantage']:.3f}), prompt:",
+                  "", "```", row["prompt"], "```", "", "completion:", "", "```", c["text"], "```"]
+    return lines
+
+
 def build_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
@@ -111,6 +126,7 @@ def build_report(run_dir: str | Path) -> Path:
         lines += ["", "## Length slices", "", "![length slices](plots/length_slices.png)"]
     lines += time_table(rows)
     lines += ["", "## Guard events", "", *event_table(read_events(run_dir))]
+    lines += sample_lines(run_dir)
     last = rows[-1]
     lines += ["", "## Last logged step", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in last.items()]

@@ -6,7 +6,7 @@ synchronisation) and ``seconds()`` waits for the last event once, at the end of 
 the trainer synchronises anyway to log its metrics. Sections may repeat (summed) but not nest.
 
 What it is not: a profiler. For where the time goes inside a section use ``py-spy`` or
-``torch.profiler`` (docs/performance.md).
+``torch.profiler`` (docs/results/performance/speed-paths.md, "Profiles").
 """
 
 from __future__ import annotations

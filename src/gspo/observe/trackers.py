@@ -17,6 +17,7 @@ import re
 import time
 from pathlib import Path
 
+from gspo.observe.samples import as_markdown
 from gspo.registry import Registry
 
 PROJECT = "gspo"
@@ -39,6 +40,9 @@ class Tracker:
 
     def log(self, row: dict[str, float], step: int) -> None:
         raise NotImplementedError
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        """What the model wrote (gspo.observe.samples rows); a tracker without text ignores them."""
 
     def flush(self) -> None:
         pass
@@ -86,6 +90,9 @@ class TensorBoard(Tracker):
         for key, value in row.items():
             self.writer.add_scalar(key, value, step)
 
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        self.writer.add_text("samples", as_markdown(rows), step)
+
     def flush(self) -> None:
         self.writer.flush()
 
@@ -106,6 +113,16 @@ class WandB(Tracker):
 
     def log(self, row: dict[str, float], step: int) -> None:
         self.run.log(row, step=step)
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        import wandb
+        table = wandb.Table(columns=["step", "prompt", "completion", "reward", "advantage", "ratio",
+                                     "clip_frac"])
+        for row in rows:
+            for c in row["completions"]:
+                table.add_data(step, row["prompt"], c["text"], c["reward"], c["advantage"],
+                               c["ratio"], c["clip_frac"])
+        self.run.log({"samples": table}, step=step)
 
     def close(self) -> None:
         self.run.finish()

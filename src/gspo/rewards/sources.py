@@ -21,6 +21,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from gspo.hub import local_path
 from gspo.models.presets import reading_checkpoint
 from gspo.registry import Registry
 from gspo.tasks import Example, Task
@@ -119,6 +120,7 @@ class ModelReward:
     ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        path = local_path(path, "reward model")
         if not os.path.isdir(path):
             raise ValueError(f"reward model: {path!r} is not a local directory")
         self.name = name or "model_" + os.path.basename(os.path.normpath(path))

@@ -24,12 +24,15 @@ This module reads and checks data; it does not generate it.
 from __future__ import annotations
 
 import sys
+import warnings
 
 from transformers import AutoConfig, AutoTokenizer
 
 from gspo import tasks
+from gspo.envs.tools import tool_schemas
 from gspo.errors import UserError
-from gspo.rollout.chat import ChatTask
+from gspo.rollout.chat import ChatTask, renders_tools
+from gspo.hub import local_path
 from gspo.models.presets import preset_config
 from gspo.rewards.isolation import IsolatedTask, isolation_options, sandbox_limits
 from gspo.rewards.sandbox import SandboxedFunction
@@ -47,8 +50,9 @@ def tokenizer_and_context(cfg, train: list[Example] = ()):
     ``task.chat`` its EOS is the chat template's end-of-turn token; a tokenizer without a
     template is a UserError."""
     if cfg.model.path:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
-        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        path = local_path(cfg.model.path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     else:
         tokenizer = preset_tokenizer(cfg.model.tokenizer, list(train), cfg.model.tokenizer_vocab)
         config = preset_config(cfg.model.preset, len(tokenizer), cfg.model.overrides)
@@ -170,8 +174,16 @@ def eval_examples(task, cfg) -> list[Example]:
 
 
 # Tasks read from files (task.train_file ...) -> the task keys they take besides the common ones.
-FILE_TASKS = {"custom": (), "dataset": ("columns", "chat")}
+FILE_TASKS = {"custom": (), "dataset": ("columns", "chat", "dataset", "dataset_config", "splits")}
 DEFAULT_N_VAL = 200  # validation prompts a built-in task draws when eval.split=validation
+
+
+def described_tools(cfg) -> list[dict] | None:
+    """The JSON schemas of the run's tools, for chat prompts (``tools=``), when they are shown."""
+    m = cfg.multiturn
+    if m.env != "tools" or not m.tools or not m.tools_in_prompt:
+        return None
+    return tool_schemas(m.tools)
 
 
 def build_task(cfg) -> CheckedTask:
@@ -195,5 +207,9 @@ def build_task(cfg) -> CheckedTask:
             raise UserError(f"task.params: {err}") from None
     tokenizer_context = tokenizer_and_context(cfg, task.split("train"))
     if t.chat:
-        task = ChatTask(task, tokenizer_context[0], t.system_prompt)
+        tools = described_tools(cfg)
+        if tools and not renders_tools(tokenizer_context[0], tools, t.chat_template_kwargs):
+            warnings.warn("multiturn.tools_in_prompt: the chat template does not render tools= "
+                          "(no tools block): the model is not told the tools exist")
+        task = ChatTask(task, tokenizer_context[0], t.system_prompt, t.chat_template_kwargs, tools)
     return prepare_task(task, cfg, tokenizer_context=tokenizer_context)

@@ -3,7 +3,9 @@ the trainer that started it, however the trainer ends.
 
 ``python -m gspo.rollout.ray_keeper TEMP_DIR PORT CPUS GPUS OBJECT_STORE_BYTES`` runs in a
 session of its own (the trainer starts it with ``start_new_session``), starts a head node with
-``ray start --head`` bound to 127.0.0.1 (its daemons inherit the keeper's process group), prints
+``ray start --head`` with the node address 127.0.0.1 and the token authentication its
+environment sets (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN``: the run's token, never on a
+command line; its daemons inherit the keeper's process group and environment), prints
 ``ready`` (or ``failed: <why>``) on its stdout, then blocks reading its stdin, a pipe whose
 writing end only the trainer holds. When that pipe ends (the trainer closed it, or died: even a
 SIGKILL closes it) the keeper ends the cluster: every process of its group and every child of

@@ -3,7 +3,10 @@ form with a required reward function (the same task, its keys and behaviour kept
 
 `train_file` / `test_file` / `validation_file` are .jsonl, .json, .parquet, .csv or .arrow files
 (read with `datasets.Dataset.from_json` / `from_parquet` / `from_csv` / `from_file`; local files
-only, nothing is downloaded). `columns` names the file's column for each field:
+only, nothing is downloaded). Instead of files, `dataset` names a Hugging Face dataset as
+`datasets.load_dataset` takes it — a hub id (from the Hugging Face cache first, `gspo.hub`) or a
+local dataset folder, with `dataset_config` its configuration and `splits` the dataset's split for
+each of train / test / validation. `columns` names the file's column for each field:
 
 * `prompt`: the question as a string, or
 * `messages`: a conversation, a list of `{role, content}` (roles system / user / assistant / tool)
@@ -33,12 +36,16 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from gspo import hub
 from gspo.optional import require
 from gspo.tasks.base import Example, TaskDataError, message_problem, pick_split, register, to_reward
 from gspo.tasks.custom import RESERVED, read_jsonl_rows, reward_function
 from gspo.tasks.verifiers import math_equal, math_verify
 
 FIELDS = ("prompt", "messages", "answer")
+SPLIT_KEYS = ("train", "test", "validation")
+DEFAULT_SPLITS = {"train": "train", "test": "test"}
+"""A hub dataset's split for each of ours (validation: none unless named in task.splits)."""
 
 
 def _reader(kind: str):
@@ -130,10 +137,22 @@ def parse_row(row: dict, present: dict[str, str]) -> Example:
     return Example(prompt=prompt, answer=answer, data=data)
 
 
-def read_rows(path: str, columns: dict[str, str], chat: bool, on_error: str = "fail"
-              ) -> tuple[list[Example], list[int], list[str]]:
-    """(examples, their 1-based row numbers, skipped "file:row: reason"); on_error: fail | skip."""
-    table = read_table(path)
+def hub_table(name: str, config: str | None, split: str, label: str):
+    """One split of a Hugging Face dataset (hub id or local folder) as a `datasets.Dataset`."""
+    datasets = require("datasets", "task.dataset")
+    folder = hub.local_path(name, "task.dataset", repo_type="dataset")
+    try:
+        return datasets.load_dataset(folder, config, split=split, keep_in_memory=True)
+    except Exception as err:  # datasets' errors of every kind: unknown split, config, format
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TaskDataError(label, None, f"cannot load split {split!r}: {first[:200]}") from None
+
+
+def read_rows(path: str, columns: dict[str, str], chat: bool, on_error: str = "fail",
+              table=None) -> tuple[list[Example], list[int], list[str]]:
+    """(examples, their 1-based row numbers, skipped "file:row: reason"); on_error: fail | skip.
+    ``table``: the rows already read (a hub split), ``path`` then only names them."""
+    table = read_table(path) if table is None else table
     present = column_names(path, table.column_names, columns, chat)
     examples, rows, skipped = [], [], []
     for i, row in enumerate(table, start=1):
@@ -157,9 +176,11 @@ class FileDataset:
 
     name = "dataset"
 
-    def __init__(self, train_file: str, test_file: str, validation_file: str | None = None,
-                 columns: dict[str, str] | None = None, chat: bool = False, reward: str | None = None,
-                 correct_threshold: float = 1.0, on_error: str = "fail", reward_fn=None):
+    def __init__(self, train_file: str | None = None, test_file: str | None = None,
+                 validation_file: str | None = None, columns: dict[str, str] | None = None,
+                 chat: bool = False, reward: str | None = None, correct_threshold: float = 1.0,
+                 on_error: str = "fail", reward_fn=None, dataset: str | None = None,
+                 dataset_config: str | None = None, splits: dict[str, str] | None = None):
         """
         train_file, test_file, validation_file: .jsonl / .json / .parquet / .csv / .arrow paths.
         columns: field (prompt | messages | answer) -> the files' column holding it.
@@ -168,10 +189,21 @@ class FileDataset:
         correct_threshold: a completion counts as correct when its reward is >= this.
         on_error: a bad row fails (TaskDataError) or is skipped (listed in `skipped`).
         reward_fn: None (import `reward` in-process) or a callable standing for it (the sandbox).
+        dataset, dataset_config: a Hugging Face dataset (hub id or folder) and its configuration,
+            read instead of the files; splits: split (train | test | validation) -> its split name.
         """
         columns = dict(columns or {})
-        self.read(lambda file: read_rows(file, columns, chat, on_error),
-                  train_file, test_file, validation_file)
+        if dataset is not None:
+            names = {**DEFAULT_SPLITS, **(splits or {})}
+            labels = {f"{dataset}[{names[k]}]": names[k] for k in names}
+            self.read(lambda label: read_rows(label, columns, chat, on_error, table=hub_table(
+                dataset, dataset_config, labels[label], label)),
+                *[f"{dataset}[{names[k]}]" if k in names else None for k in SPLIT_KEYS])
+        elif train_file is None or test_file is None:
+            raise ValueError("task.name=dataset needs task.train_file and task.test_file, or task.dataset")
+        else:
+            self.read(lambda file: read_rows(file, columns, chat, on_error),
+                      train_file, test_file, validation_file)
         if reward is None:
             math_verify()  # installed, or a one-line error now
         self.reward_spec = reward or "math (final answer equal by value)"

@@ -11,6 +11,10 @@
   (the number is smaller), ``>`` or ends the episode when right (``gspo.envs`` ``guess``); the
   demonstrations bisect, so they take up to ``bits`` + 1 turns of feedback.
 
+``call_format: hermes`` (calculator, lookup) writes the demonstrations' calls as a chat model does,
+``<tool_call>{"name": "calc", "arguments": {"expression": "48213+90577"}}</tool_call>``, for a run
+under a chat template with ``multiturn.call_format: hermes``.
+
 Each example's ``data["turns"]`` holds the demonstration's policy turns (the environment's
 answers between them are produced by the environment itself, in SFT as in RL), and the answer
 is the last turn. The reward reads only the final turn: 1.0 when it is ``#`` + the right value
@@ -19,6 +23,7 @@ is the last turn. The reward reads only the final turn: 1.0 when it is ``#`` + t
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import string
@@ -57,6 +62,23 @@ def lookup(key: str) -> str:
     return lookup_value(key)
 
 
+CALL_FORMATS = ("bracket", "hermes")
+
+
+def call_text(tool: str, argument: str, value: str, call_format: str = "bracket") -> str:
+    """A demonstration's call of ``tool`` with its one argument: ``[calc 1+2]`` (bracket) or the
+    hermes ``<tool_call>`` JSON a chat model writes (``multiturn.call_format`` must match)."""
+    if call_format == "hermes":
+        call = json.dumps({"name": tool, "arguments": {argument: value}})
+        return f"<tool_call>\n{call}\n</tool_call>"
+    return f"[{tool} {value}]"
+
+
+def _check_format(task: str, call_format: str) -> None:
+    if call_format not in CALL_FORMATS:
+        raise ValueError(f"{task}: call_format must be one of {', '.join(CALL_FORMATS)}, got {call_format!r}")
+
+
 def _calls_tool(prompt: str, fraction: float) -> bool:
     """Whether the demonstration of ``prompt`` calls the tool: a fixed function of the prompt."""
     return zlib.crc32(prompt.encode()) % 1000 < fraction * 1000
@@ -90,13 +112,15 @@ class Calculator(_ToolTask):
     name = "calculator"
 
     def __init__(self, seed: int = 0, n_train: int = 5000, n_test: int = 200, n_val: int = 0,
-                 digits: int = 5, call_fraction: float = 0.3):
+                 digits: int = 5, call_fraction: float = 0.3, call_format: str = "bracket"):
         """
         seed: generator seed; the same seed gives the same splits.
         n_train, n_test, n_val: examples per split (disjoint by prompt).
         digits: length of each number (the first digit is not 0).
         call_fraction: share of demonstrations that call the tool (by a checksum of the prompt).
+        call_format: how the demonstrations call it: bracket | hermes (chat models, Qwen3).
         """
+        _check_format(self.name, call_format)
         if digits < 1 or not 0.0 <= call_fraction <= 1.0:
             raise ValueError(f"calculator: digits >= 1 and 0 <= call_fraction <= 1, got {digits}, {call_fraction}")
         low, high = 10 ** (digits - 1), 10 ** digits - 1
@@ -104,7 +128,8 @@ class Calculator(_ToolTask):
         def sample(rng: random.Random) -> Example:
             a, b = rng.randint(low, high), rng.randint(low, high)
             prompt, value = f"A {a}+{b}:", str(a + b)
-            turns = ([f"[calc {a}+{b}]", f"#{value}"] if _calls_tool(prompt, call_fraction)
+            turns = ([call_text("calc", "expression", f"{a}+{b}", call_format), f"#{value}"]
+                     if _calls_tool(prompt, call_fraction)
                      else [f"#{value}"])
             return Example(prompt, turns[-1], {"value": value, "turns": turns})
 
@@ -118,18 +143,21 @@ class Lookup(_ToolTask):
     name = "lookup"
 
     def __init__(self, seed: int = 0, n_train: int = 5000, n_test: int = 200, n_val: int = 0,
-                 call_fraction: float = 1.0):
+                 call_fraction: float = 1.0, call_format: str = "bracket"):
         """
         seed: generator seed of the keys (the values are the tool's, seed 0).
         n_train, n_test, n_val: examples per split (disjoint by key).
         call_fraction: share of demonstrations that call the tool; the others guess a value.
+        call_format: how the demonstrations call it: bracket | hermes (chat models, Qwen3).
         """
+        _check_format(self.name, call_format)
 
         def sample(rng: random.Random) -> Example:
             key = "".join(rng.choice(string.ascii_lowercase) for _ in range(4))
             prompt, value = f"K {key}:", lookup_value(key)
             guess = str(rng.randrange(10_000)).zfill(4)
-            turns = [f"[lookup {key}]", f"#{value}"] if _calls_tool(prompt, call_fraction) else [f"#{guess}"]
+            turns = ([call_text("lookup", "key", key, call_format), f"#{value}"]
+                     if _calls_tool(prompt, call_fraction) else [f"#{guess}"])
             return Example(prompt, turns[-1], {"value": value, "turns": turns})
 
         self.splits = make_splits(self.name, random.Random(seed), sample, n_train, n_test, n_val)

@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from gspo.errors import UserError
+from gspo.hub import local_path
 from gspo.models.moe import ROUTER_CLASSES
 from gspo.models.presets import (ADAPTER_CONFIG, adapter_base, build_char_tokenizer, is_adapter_dir,
                                  preset_config)
@@ -68,8 +69,9 @@ def check_train(cfg, resume: bool = False) -> None:
 # ------------------------------------------------------------------------------------ files
 def check_checkpoint(key: str, path: str) -> None:
     """A transformers checkpoint with safetensors weights, or a LoRA adapter directory (gspo's
-    LoRA checkpoints) whose base is one."""
-    p = Path(path)
+    LoRA checkpoints) whose base is one; a hub id is looked up in the Hugging Face cache
+    (``gspo.models.hub``)."""
+    p = Path(local_path(path, key))
     if is_adapter_dir(p):
         if not (p / "adapter_model.safetensors").is_file():
             raise UserError(f"{key}: {path!r} has {ADAPTER_CONFIG} but no adapter_model.safetensors")
@@ -113,7 +115,7 @@ def check_files(cfg) -> None:
 # ------------------------------------------------------------------------------------ model
 def _model_config(cfg):
     if cfg.model.path:
-        return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        return AutoConfig.from_pretrained(local_path(cfg.model.path), local_files_only=True)
     return preset_config(cfg.model.preset, len(build_char_tokenizer()), cfg.model.overrides)
 
 

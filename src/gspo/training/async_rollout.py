@@ -40,7 +40,7 @@ trainer must neither draw from it nor set it: the RL update draws nothing (no dr
 with dropout is refused; activation checkpointing does not save and restore the RNG state,
 gspo.core.logprobs and gspo.models.presets), and anything else that does (evaluation) holds
 ``rng_lock``. A checkpoint recompute that restored the RNG state mid-step rewound the worker's
-stream: the same seed then sampled other tokens, one run in a few (issue 18's resume race).
+stream: the same seed then sampled other tokens, one run in a few (a resume race).
 
 Threads: ``torch.set_num_threads`` sets the calling thread's OpenMP pool size (a process's, in
 the child), so the worker sets its own (``run.threads``) when it starts; with 1 each side runs its
@@ -143,7 +143,7 @@ class Proximal:
 
 def proximal_from_worker(cfg) -> bool:
     """rollout.async_ratio=decoupled with a recomputed π_old: the worker computes π_prox of each
-    stale batch's later minibatches while the trainer runs the first (docs/performance.md)."""
+    stale batch's later minibatches while the trainer runs the first (docs/results/performance/async.md)."""
     return cfg.rollout.async_ratio == "decoupled" and cfg.train.old_logprobs == "recompute"
 
 

@@ -75,14 +75,14 @@ def build_source(cfg, collector: Collector, passes: LogprobPasses, *, skip_rows:
 
 def staleness_hint(cfg) -> str | None:
     """One line for a run that clips against a stale behaviour policy (measured to train more
-    slowly than the synchronous run, docs/performance.md); None when it does not apply."""
+    slowly than the synchronous run, docs/results/performance/async.md); None when it does not apply."""
     if (not cfg.rollout.async_ or cfg.rollout.max_staleness == 0
             or cfg.rollout.async_ratio != "behaviour" or cfg.train.old_logprobs != "recompute"):
         return None
     return (f"rollout.async: {cfg.objective.name} clips its ratio against the policy that sampled "
             f"the batch, up to {cfg.rollout.max_staleness} step(s) old; on the default job at s=1 "
             "that trained gspo and grpo more slowly than the synchronous run and "
-            "rollout.async_ratio=decoupled (the default, auto) did not (docs/performance.md)")
+            "rollout.async_ratio=decoupled (the default, auto) did not (docs/results/performance/async.md)")
 
 
 def snapshot(model: torch.nn.Module, device: str | None = None) -> dict[str, torch.Tensor]:

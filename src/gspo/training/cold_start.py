@@ -21,6 +21,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from gspo.config import SFTConfig, TrainConfig, config_hash
+from gspo import hub
 from gspo.core.logprobs import response_logprobs
 from gspo.models.presets import (DTYPES, build_model, enable_activation_checkpointing, load_model,
                                  resolve_device, save_model)
@@ -81,6 +82,16 @@ def train_sft(model, tokenizer, examples: list[Example], cfg: SFTConfig, *, seed
 # Task fields that do not change the training split: left out of the key, so setting them reuses
 # the cold start (validation is drawn after train; see gspo.tasks.base.make_splits).
 NOT_TRAINING_DATA = {"n_val", "validation_file"}
+KEYED_WHEN_SET = {"dataset", "dataset_config", "splits", "chat_template_kwargs", "tools_in_prompt"}
+"""Keys that enter the cache key only when they differ from their default (so keys made before
+these options existed still name the same cold start)."""
+
+
+def _dump(section, exclude=frozenset()) -> dict:
+    """``section`` as the cache key reads it: ``KEYED_WHEN_SET`` keys only when set."""
+    fields = type(section).model_fields
+    unset = {k for k in KEYED_WHEN_SET & set(fields) if getattr(section, k) == fields[k].get_default()}
+    return section.model_dump(exclude=set(exclude) | unset)
 
 
 def library_versions() -> list[str]:
@@ -94,14 +105,15 @@ def cache_key(model_cfg, task_cfg, sft_cfg: SFTConfig, seed: int, multiturn_cfg=
     """The cold start's cache entry: its model, training data, SFT settings and seed, and the
     ``library_versions`` that train it (not the CPU: a cache stays on its machine); with an
     environment (``multiturn.env``) its section too, since it writes the demonstrations'
-    observations (without one the key is what it always was)."""
+    observations (without one the key is what it always was); a hub id's cached commit."""
     sft = sft_cfg.model_dump(exclude={"cache_dir", "enabled"})
-    task = task_cfg.model_dump(exclude=NOT_TRAINING_DATA)
+    task = _dump(task_cfg, NOT_TRAINING_DATA)
     train_file = getattr(task_cfg, "train_file", None)  # custom data: its content, not only its path
     data = [hashlib.sha256(Path(train_file).read_bytes()).hexdigest()] if train_file else []
     model = model_cfg.model_dump(exclude={"lora"})  # adapters attach after the cold start
-    episode = [multiturn_cfg.model_dump()] if multiturn_cfg is not None and multiturn_cfg.env else []
-    return config_hash(model, task, sft, seed, *data, *library_versions(), *episode)
+    episode = [_dump(multiturn_cfg)] if multiturn_cfg is not None and multiturn_cfg.env else []
+    revision = [hub.cached_revision(model_cfg.path)] if hub.is_hub_id(model_cfg.path) else []
+    return config_hash(model, task, sft, seed, *data, *library_versions(), *episode, *revision)
 
 
 def cached_checkpoint(cache_dir: str | Path, key: str) -> Path | None:
@@ -135,7 +147,7 @@ def initial_policy(cfg: TrainConfig, task, log=print, progress: bool = True, epi
     Returns (model on its device, tokenizer, what it is: source, SFT steps and loss, checkpoint).
     ``episode``: the run's (``episodes.build`` of rollout.episode when not given), whose demonstrations the SFT
     trains on (multi-turn: through the environments)."""
-    episode = episode if episode is not None else episodes.build(cfg.rollout.episode, cfg)
+    episode = episode if episode is not None else episodes.build(cfg.rollout.episode, cfg, task)
     dtype, device = DTYPES[cfg.model.dtype], resolve_device(cfg.model.device)
     tokenizer = getattr(task, "tokenizer", None)  # the one the data was checked with (rollout.data)
     if cfg.model.path:

@@ -7,7 +7,7 @@ CPU), on every rank, since gathering is a collective. ``load_state`` sets full w
 optimizer state on every rank (fsdp: into the shards). The optimizer state keeps the layout of
 ``optimizer.state_dict()`` (parameters by index) in the file; torch's state-dict API speaks
 fully-qualified names, so the two are mapped here (torch's modules are imported when first
-needed, as before). One process: plain ``load_state_dict`` and ``checkpoint.save_checkpoint``.
+needed). One process: plain ``load_state_dict`` and ``checkpoint.save_checkpoint``.
 """
 
 from __future__ import annotations

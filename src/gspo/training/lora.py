@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from gspo.config import LoRAConfig
+from gspo.hub import local_path
 from gspo.models.presets import save_model
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -76,7 +77,7 @@ def base_checkpoint(run_dir: str | Path, model_path: str | None, changed: bool) 
     """Where the frozen base lives and whether it must be written: ``model.path`` when RL starts
     from it unchanged (no SFT), else ``run_dir/base``."""
     if model_path and not changed:
-        return Path(model_path).absolute(), False
+        return Path(local_path(model_path)).absolute(), False
     return (Path(run_dir) / BASE_DIR).absolute(), True
 
 

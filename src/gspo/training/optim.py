@@ -21,7 +21,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0
                     betas: tuple[float, float] = (0.9, 0.999), master_weights: str = "model"
                     ) -> torch.optim.Optimizer:
     """AdamW; the fused kernel (one call for all parameters, ~4x faster than the per-tensor loop
-    on the tiny presets, docs/performance.md) where torch has it for these parameters."""
+    on the tiny presets, docs/results/performance/speed-paths.md) where torch has it for these parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     adamw = ADAMW[master_weights]
     try:

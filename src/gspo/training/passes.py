@@ -5,7 +5,7 @@ the rollout batch (``old_logprobs``), π_θ's log-probs of one minibatch with gr
 (``minibatch``), and a frozen model's log-probs (``logprobs``: the reference policy, π_new for an
 audit record, the critic's KL). What it hides from the step:
 
-* **Speed paths** (exact, docs/performance.md): rows without signal skip their forward (they
+* **Speed paths** (exact, docs/results/performance/speed-paths.md): rows without signal skip their forward (they
   enter the loss with log π_θ = log π_old, ratio 1, Â = 0); the first minibatch's π_old is its own
   detached forward (π_θ = π_old before the first optimizer step); rows whose groups share a
   prompt run the prompt once; padding columns no response depends on are trimmed.

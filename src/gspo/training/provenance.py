@@ -13,6 +13,8 @@ A run folder says which code, libraries and hardware made it and which objective
     advantage     the advantage estimator (the algorithm's own description)
     sampling      rollout and evaluation sampling parameters
     config        the resolved config and its SHA-256
+    hub           each hub id the config names (model.path, reward models, task.dataset): the commit of its
+                  cached snapshot (null when not cached)
 
 ``gspo train`` writes it when it claims the run folder (rank 0; a resumed run keeps the earlier
 sessions under ``history``), ``gspo compare`` into its output folder, ``gspo sft`` / ``gspo eval``
@@ -41,6 +43,7 @@ import transformers
 
 import gspo
 from gspo.core import objectives
+from gspo import hub
 from gspo.observe.provenance import FILE, code_id, read, sessions, summary, table  # noqa: F401
 from gspo.training import algorithms
 from gspo.errors import UserError
@@ -190,6 +193,24 @@ def advantage_entry(algorithm) -> dict:
     return describe()
 
 
+def hub_ids(paths: dict) -> dict:
+    """``{key: {"id", "revision"}}`` for each of ``paths`` (key -> path) that is a hub id."""
+    return {key: {"id": path, "revision": hub.cached_revision(path)}
+            for key, path in paths.items() if hub.is_hub_id(path)}
+
+
+def hub_entry(cfg) -> dict:
+    """``{key: {"id", "revision"}}`` for each Hugging Face hub id ``cfg`` loads a checkpoint or dataset from."""
+    paths = {"model.path": cfg.model.path}
+    paths.update({f"rewards.sources[{i}].path": s.path for i, s in enumerate(cfg.rewards.sources)
+                  if s.type == "model"})
+    out = hub_ids(paths)
+    if cfg.task.name == "dataset" and hub.is_hub_id(cfg.task.dataset):
+        out["task.dataset"] = {"id": cfg.task.dataset,
+                               "revision": hub.cached_revision(cfg.task.dataset, "dataset")}
+    return out
+
+
 def config_sha256(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
@@ -216,7 +237,7 @@ def collect(cfg=None, *, command: str, device: str | None = None, world_size: in
                                      "prompts_per_step": r.prompts_per_step},
                          "eval": {"temperature": e.temperature, "k": e.k, "greedy_accuracy": True},
                          "seed": cfg.seed},
-            "config_sha256": config_sha256(config), "config": config})
+            "hub": hub_entry(cfg), "config_sha256": config_sha256(config), "config": config})
     elif device is not None:
         prov["hardware"] = hardware(device, "n/a", world_size)
     if extra:
@@ -287,7 +308,7 @@ def warnings_between(run: dict, now: dict) -> list[str]:
     ro, no = run.get("objective") or {}, now.get("objective") or {}
     if ro.get("paper") != no.get("paper") and ro and no:
         out.append(f"objective citation: {_fmt(ro.get('paper'))} -> {_fmt(no.get('paper'))}")
-    for key in ("advantage", "sampling"):
+    for key in ("advantage", "sampling", "hub"):   # hub: another commit of a hub id now cached
         if run.get(key) and now.get(key):
             diff = _changed("", _flat(run[key]), _flat(now[key]))
             if diff:

@@ -14,8 +14,8 @@ Where a roll-back goes depends on what the rule judges. A rule on the update (it
 share, gradient norm) blames step N: back to the checkpoint before N. A rule on the sampled batch
 (its reward, the sampler's tail) blames the weights that drew it, those of update N − 1: back to
 a checkpoint before N − 1, since from N − 1's checkpoint step N would draw the same batch again
-and fire again, whatever the learning rate (measured: docs/results.md, "The guard on a real
-collapse").
+and fire again, whatever the learning rate (measured: docs/results/stability.md, "The guard on a
+real collapse").
 
 It is handed the policy, its optimizer and scheduler, the metrics sink and a ``RunControl``
 (checkpoint now, restore a checkpoint, rank 0 decides); never the trainer. What it is not: a fix.

@@ -98,6 +98,8 @@ class RLStep:
     audit: Audit
     task: object                                   # is_correct, for the length slices
     ref_model: torch.nn.Module | None = None       # frozen π_ref when train.beta > 0
+    samples: object = None
+    """What the model wrote, every run.samples_every steps (gspo.observe.samples; rank 0 only)."""
     objective: Callable | None = field(init=False)
     """The policy loss from the registry (None: sft, no policy-gradient update)."""
     old_policy: OldPolicy = field(init=False)
@@ -147,6 +149,8 @@ class RLStep:
                           seeds={"generation": self.source.seed(step, 0),
                                  "dynamic_sampling": self.cfg.train.dynamic_sampling,
                                  "minibatch": minibatch_seed(self.cfg.seed, step)})
+        if self.samples is not None:
+            self.samples.finish(step, batch, rewards, old.advantages, old.logp, record)
         parts = {**timer.seconds(), "generate": metrics["time/generate_s"],
                  "reward": metrics["time/reward_s"]}
         metrics.update(breakdown(parts, time.perf_counter() - t_start))

@@ -26,6 +26,7 @@ from gspo.errors import Interrupted
 from gspo.models.presets import DTYPES, load_model, resolve_device
 from gspo.observe.metrics import MetricsWriter, NullWriter, report_progress
 from gspo.observe.records import Recorder
+from gspo.observe.samples import SampleWriter
 from gspo.observe.timing import iteration_times
 from gspo.rewards.isolation import isolated_rewards
 from gspo.rollout import episodes
@@ -65,7 +66,7 @@ class Trainer:
         self.val_set = [] if self.dist.enabled and cfg.dist.strategy == "fsdp" else \
             selection_examples(self.task, cfg)     # []: no best checkpoint (fsdp: not gathered)
         self.rewards = isolated_rewards(cfg.rewards, self.task)
-        self.episode = episodes.build(cfg.rollout.episode, cfg)   # single turn, tool loop...
+        self.episode = episodes.build(cfg.rollout.episode, cfg, self.task)   # single turn, tool loop...
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -79,7 +80,8 @@ class Trainer:
             self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
                                                                         self.progress, self.episode)
         if getattr(self.episode, "multi_turn", False) and getattr(self.tokenizer, "chat_template", None):
-            check_template(self.tokenizer, self.tokenizer.eos_token_id)   # refused in one line
+            check_template(self.tokenizer, self.tokenizer.eos_token_id,   # refused in one line
+                           cfg.task.chat_template_kwargs)
         self.device = next(self.model.parameters()).device
         self.model = prepare_policy(self.model, self.tokenizer, cfg, self.run_dir,  # LoRA, act. ckpt
                                     self.dist.on_main, self.init_info)
@@ -114,10 +116,15 @@ class Trainer:
                                     self.collector.sampling)
         self.rollouts = build_source(cfg, self.collector, passes, log=self.log,  # now, or ahead
                                      skip_rows=skips_rows(cfg, self.algorithm.objective, self.ref_model))
+        samples = SampleWriter(
+            cfg.run.samples_every, cfg.run.samples_prompts, self.run_dir, self.tokenizer,
+            cfg.rollout.group_size, recorder.objective, recorder.objective_kwargs,
+            transcripts=cfg.multiturn.env is not None, log=self.metrics.log_samples,
+        ) if self.dist.is_main else None                 # rank 0 writes (its share of the batch)
         self.step = RLStep(cfg=cfg, model=self.model, optimizer=self.optimizer,
                            scheduler=self.scheduler, source=self.rollouts, algorithm=self.algorithm,
                            passes=passes, ranks=self.dist, audit=recorder, task=self.task,
-                           ref_model=self.ref_model)
+                           ref_model=self.ref_model, samples=samples)
         if self.resume:
             self.restore_latest()
 

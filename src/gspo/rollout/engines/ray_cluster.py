@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -106,17 +107,21 @@ def check_resources(spec: RaySpec, have: Mapping[str, float], where: str) -> Non
 
 # ---------------------------------------------------------------------------- the cluster
 class LocalCluster:
-    """A head node on 127.0.0.1 started for the run in a temporary folder, ended by its keeper
-    (gspo.rollout.ray_keeper) when ``stop`` closes the keeper's pipe or the trainer dies."""
+    """A head node started for the run in a temporary folder, ended by its keeper
+    (gspo.rollout.ray_keeper) when ``stop`` closes the keeper's pipe or the trainer dies. Ray's
+    servers listen on every interface (Ray 2.60 has no loopback-only setting for them), so the
+    cluster runs under Ray's token authentication with ``token``, drawn for this run: every
+    server refuses a client without it (docs/distributed.md, Security)."""
 
     def __init__(self, cpus: float, gpus: float):
         self.temp_dir = tempfile.mkdtemp(prefix="gspo-ray-", dir="/tmp")  # short: socket paths
         self.port = free_port()
+        self.token = secrets.token_hex(32)
         self.keeper = subprocess.Popen(
             [sys.executable, "-m", "gspo.rollout.ray_keeper", self.temp_dir, str(self.port),
              str(int(max(1, round(cpus)))), str(int(gpus)), str(OBJECT_STORE_BYTES)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            env=token_env(os.environ, self.token, PYTHONPATH=os.pathsep.join(sys.path)))
         said = self.keeper.stdout.readline().decode().strip()
         if said != "ready":
             self.stop()
@@ -139,6 +144,33 @@ class LocalCluster:
                 self.keeper.kill()
                 self.keeper.wait()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""How Ray finds its authentication mode and token (Ray 2.60: the variable, a file it names, or
+~/.ray/auth_token)."""
+
+
+def token_env(environ: Mapping[str, str], token: str, **extra: str) -> dict[str, str]:
+    """``environ`` with Ray's token authentication on and ``token`` the token (in the environment,
+    which only the user and root can read; never on a command line, which anyone can)."""
+    env = {k: v for k, v in environ.items() if k not in AUTH_VARS}
+    return {**env, **extra, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+
+def set_auth(values: Mapping[str, str | None]) -> dict[str, str | None]:
+    """This process's ``AUTH_VARS`` set to ``values`` (None or absent: unset) and Ray's cached
+    config and token reloaded; returns the values replaced (``set_auth`` of them restores)."""
+    from ray._raylet import AuthenticationTokenLoader, Config   # Ray's own reload (its tests')
+    before = {k: os.environ.get(k) for k in AUTH_VARS}
+    for k in AUTH_VARS:
+        if values.get(k) is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = values[k]
+    Config.initialize("")                       # the mode first, then the token (Ray's order)
+    AuthenticationTokenLoader.instance().reset_cache()
+    return before
 
 
 def watch_cluster(address: str) -> threading.Event:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import socket
 import time
 from typing import Mapping
 
@@ -47,7 +48,8 @@ from gspo.errors import UserError
 from gspo.rollout.engines.base import Capabilities, Engine, capabilities, check
 from gspo.rollout.engines.base import build as build_engine
 from gspo.rollout.engines.ray_cluster import (ClusterUnavailable, LocalCluster, RaySpec,
-                                             check_resources, free_port, watch_cluster)
+                                             check_resources, free_port, set_auth, token_env,
+                                             watch_cluster)
 from gspo.rollout.engines.weights import Entry, aliases, bucket_bytes, buckets, pack, unpack
 from gspo.rollout.generate import Samples, SamplingParams
 
@@ -58,10 +60,12 @@ MAX_RESTARTS = 3
 
 
 def group(host: str, port: int, rank: int) -> "torch.distributed.ProcessGroupGloo":
-    """Rank ``rank`` of a gloo group of two whose store is at host:port (rank 0 serves it)."""
+    """Rank ``rank`` of a gloo group of two whose store is at host:port (rank 0 serves it, on
+    ``host`` alone: a TCPStore's own socket would listen on every interface)."""
     import torch.distributed as dist
+    listen = socket.create_server((host, port)).detach() if rank == 0 else None
     store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=GROUP_TIMEOUT,
-                          wait_for_workers=False)
+                          wait_for_workers=False, master_listen_fd=listen)
     return dist.ProcessGroupGloo(store, rank, 2, GROUP_TIMEOUT)
 
 
@@ -150,7 +154,7 @@ class RayEngine(Engine):
         check(name, getattr(model.config, "model_type", None))
         self.capabilities = on_generators(name)
         self.pad_id = tokenizer.pad_token_id
-        self.cluster, self.watch = None, None
+        self.cluster, self.watch, self.auth = None, None, None
         self.connect()
         self.weights: Mapping[str, torch.Tensor] = model.state_dict()
         """The weights a replaced generator is sent: those of the last ``update_weights``."""
@@ -170,6 +174,7 @@ class RayEngine(Engine):
         spec = self.spec
         if spec.address is None:
             self.cluster = LocalCluster(spec.generators * spec.cpus, spec.generators * spec.gpus)
+            self.auth = set_auth(token_env({}, self.cluster.token))   # restored by close
         address = spec.address or self.cluster.address
         try:
             self.ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
@@ -306,6 +311,9 @@ class RayEngine(Engine):
             self.watch.set()                    # the cluster goes now: no longer a fault
         if self.ray.is_initialized():
             self.ray.shutdown()
+        if self.auth is not None:               # after the shutdown: no thread reads the token
+            set_auth(self.auth)
+            self.auth = None
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None

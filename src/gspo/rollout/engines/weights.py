@@ -19,7 +19,7 @@ except ImportError:  # transformers 4: the in-memory layout is the checkpoint's
 
 BUCKET_BYTES = 64 << 20
 """Most bytes one broadcast carries: per-tensor overhead, not bandwidth, is what a sync of many
-small tensors costs (docs/performance.md, Weight sync)."""
+small tensors costs (docs/results/performance/weight-sync.md)."""
 ALIGN = 64
 """Each tensor's bytes start at a multiple of this in its bucket (a dtype view needs it)."""
 

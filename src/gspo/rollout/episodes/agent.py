@@ -120,19 +120,22 @@ class Agent:
     timeout_s: float = 60.0
     batch_wait_s: float = 2.0
     metrics: dict = field(default_factory=dict)
+    template_kwargs: dict = field(default_factory=dict)
+    """The chat template's extra variables (``task.chat_template_kwargs``) for every rendering."""
     gives_rewards = True
     multi_turn = True
     batches: int = 0
     """Batches served (each batch's URLs carry its number: a late call of an earlier one is refused)."""
 
     @classmethod
-    def from_config(cls, cfg) -> "Agent":
-        """agent.fn imported (ValueError, one line), multiturn's budgets."""
+    def from_config(cls, cfg, task=None) -> "Agent":
+        """agent.fn imported (ValueError, one line), multiturn's budgets, the template's kwargs."""
         m = cfg.multiturn
         budgets = Budgets(max_turns=m.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
                           max_total_tokens=m.max_total_tokens, max_observation_tokens=m.max_observation_tokens)
         fn = cfg.agent.fn if callable(cfg.agent.fn) else load_function(cfg.agent.fn)
-        return cls(fn, budgets, cfg.agent.timeout_s, cfg.agent.batch_wait_s)
+        return cls(fn, budgets, cfg.agent.timeout_s, cfg.agent.batch_wait_s,
+                   template_kwargs=dict(cfg.task.chat_template_kwargs or {}))
 
     @staticmethod
     def refuses(cfg) -> str | None:
@@ -165,7 +168,7 @@ class Agent:
         endpoint = Endpoint(name, limit).open()
         batcher = Batcher(sampler, params, seed, n, self.batch_wait_s)
         start = time.monotonic()
-        session = Session(self.batches, Recorder(tokenizer, self.budgets, n, limit), batcher, tokenizer,
+        session = Session(self.batches, Recorder(tokenizer, self.budgets, n, limit, self.template_kwargs), batcher, tokenizer,
                           params, [start + self.timeout_s] * n)
         outcomes = [Outcome() for _ in range(n)]
         try:

@@ -6,7 +6,7 @@ log-probs out), the tokenizer, the examples and the sampling parameters, and ret
 with each row's episode record when it ran more than one turn (``RolloutBatch.records``).
 
 A new episode is one file in this package: a class registered here with ``@register("name")``
-that builds itself from the run's config (``from_config``), says which configs it cannot serve
+that builds itself from the run's config (``from_config(cfg, task)``), says which configs it cannot serve
 (``refuses``) and is called as ``Episode``. The Collector, the step and everything above stay as
 they are. This module samples nothing itself.
 """
@@ -27,7 +27,7 @@ class Episode(Protocol):
     """The last batch's episode metrics (multiturn/*; empty for a single turn)."""
     multi_turn: bool
     """Its rows continue after the policy's end-of-turn token with the chat template's ids for
-    new messages, so the trainer refuses, at set-up, a template that is not prefix-preserving."""
+    new messages, so the trainer refuses, at set-up, a template that rewrites sampled turns."""
     gives_rewards: bool
     """Its rows' records carry a reward of their own (``EpisodeRecord.reward``: the environment's,
     the agent's), which ``rewards.sources: [{type: env}]`` scores."""
@@ -53,9 +53,10 @@ def names() -> list[str]:
     return EPISODES.names()
 
 
-def build(name: str, cfg) -> Episode:
-    """The episode ``name`` for the run's config (ValueError listing the valid names)."""
-    return EPISODES.get(name).from_config(cfg)
+def build(name: str, cfg, task=None) -> Episode:
+    """The episode ``name`` for the run's config (ValueError listing the valid names); with the
+    run's ``task``, an episode may check what it builds from the first training example now."""
+    return EPISODES.get(name).from_config(cfg, task)
 
 
 def gives_rewards(name: str) -> bool:

@@ -17,7 +17,7 @@ class SingleTurn:
     multi_turn = False
 
     @classmethod
-    def from_config(cls, cfg) -> "SingleTurn":
+    def from_config(cls, cfg, task=None) -> "SingleTurn":
         return cls()
 
     @staticmethod

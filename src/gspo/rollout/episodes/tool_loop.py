@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from gspo import envs
 from gspo.envs import Environment, Observation
+from gspo.envs.guard import Guard
 from gspo.envs.tools import ToolRunner
 from gspo.rewards.sandbox import Limits
 from gspo.rollout.episodes.base import register
@@ -95,9 +96,10 @@ def codec(tokenizer) -> tuple[Callable[[str], list[int]], Callable[[list[int]], 
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def observer(tokenizer) -> Callable[[Observation], list[int]]:
+def observer(tokenizer, template_kwargs: dict | None = None) -> Callable[[Observation], list[int]]:
     """How observations become ids with ``tokenizer``: text encoded as is; messages rendered by its
-    chat template after the policy's end-of-turn token (``gspo.rollout.turns``), refused without one."""
+    chat template (with ``template_kwargs``) after the policy's end-of-turn token
+    (``gspo.rollout.turns``), refused without one."""
     as_text = text_observer(codec(tokenizer)[0])
     has_template = bool(getattr(tokenizer, "chat_template", None))
 
@@ -107,7 +109,8 @@ def observer(tokenizer) -> Callable[[Observation], list[int]]:
         if not has_template:
             raise ValueError("the environment answered chat messages, but the tokenizer has no chat "
                              "template: answer text (e.g. multiturn.call_format=bracket)")
-        return observation_ids(tokenizer, obs.messages, tokenizer.eos_token_id)
+        return observation_ids(tokenizer, obs.messages, tokenizer.eos_token_id,
+                               template_kwargs=template_kwargs)
 
     return observe
 
@@ -156,20 +159,34 @@ class ToolLoop:
     metrics: dict = field(default_factory=dict)
     runner: object = None
     """The tools' runner the environments share (closed at the end of the run), if any."""
+    template_kwargs: dict = field(default_factory=dict)
+    """The chat template's extra variables (``task.chat_template_kwargs``) for tool turns."""
+    demonstration_env: Callable[[Example], Environment] | None = None
+    """The environments of the cold start's demonstrations (default ``make_env``): a user's
+    environment under ``on_env_error=fail`` whatever the run's setting."""
     gives_rewards = True
     multi_turn = True
 
     @classmethod
-    def from_config(cls, cfg) -> "ToolLoop":
+    def from_config(cls, cfg, task=None) -> "ToolLoop":
         """The ``multiturn`` section's environment, tools and budgets (rollout.max_new_tokens per
-        turn)."""
+        turn). A user's environment (module:Class) runs under ``Guard`` (multiturn.on_env_error,
+        env_timeout_s), its demonstrations strictly; with ``task``, one is built for its first
+        training example now, so a constructor that fails is one line at set-up (EnvError)."""
         m = cfg.multiturn
-        runner = tool_runner(m)
-        params = {"runner": runner, "call_format": m.call_format} if m.env == "tools" else dict(m.params)
         budgets = Budgets(max_turns=m.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
                           max_total_tokens=m.max_total_tokens,
                           max_observation_tokens=m.max_observation_tokens)
-        return cls(EnvFactory(m.env, params), budgets, runner=runner)
+        template_kwargs = dict(cfg.task.chat_template_kwargs)
+        if ":" in m.env:                                    # user code: guarded
+            guard = Guard(m.env, dict(m.params), timeout_s=m.env_timeout_s, on_error=m.on_env_error)
+            for example in task.split("train")[:1] if task is not None else []:
+                guard.strict()(example)                     # EnvError now, not at step 1
+            return cls(guard, budgets, template_kwargs=template_kwargs,
+                       demonstration_env=guard.strict())
+        runner = tool_runner(m)
+        params = {"runner": runner, "call_format": m.call_format} if m.env == "tools" else dict(m.params)
+        return cls(EnvFactory(m.env, params), budgets, runner=runner, template_kwargs=template_kwargs)
 
     @staticmethod
     def refuses(cfg) -> str | None:
@@ -184,7 +201,8 @@ class ToolLoop:
     def __call__(self, sampler, tokenizer, examples, params, *, group_size, seed,
                  with_logprobs) -> RolloutBatch:
         batch, rows = collect_episodes(sampler, tokenizer, examples, group_size, params,
-                                       self.make_env, observer(tokenizer), self.budgets, seed)
+                                       self.make_env, observer(tokenizer, self.template_kwargs),
+                                       self.budgets, seed)
         self.metrics = episode_metrics(rows)
         out = as_batch(batch, sampler.device)
         if not with_logprobs:   # sampled with them (each turn), handed on only when asked for
@@ -197,8 +215,10 @@ class ToolLoop:
         prompts = [tokenizer(ex.prompt)["input_ids"] for ex in examples]
         turns = [ex.data.get("turns") or [ex.answer] for ex in examples]
         encode, decode = codec(tokenizer)
-        rows = demonstrations(prompts, turns, [self.make_env(ex) for ex in examples],
-                              observer(tokenizer), encode, decode, tokenizer.eos_token_id, self.budgets)
+        make_env = self.demonstration_env or self.make_env
+        rows = demonstrations(prompts, turns, [make_env(ex) for ex in examples],
+                              observer(tokenizer, self.template_kwargs), encode, decode,
+                              tokenizer.eos_token_id, self.budgets)
         batch = to_tensors(rows, tokenizer.pad_token_id)
         batch.update(completions=[r.final_turn for r in rows], examples=list(examples),
                      records=[r.record() for r in rows])

@@ -16,6 +16,9 @@ observation's ids are appended, or the row ends. How a row ends (``Row.end``):
 * ``budget``: the observation, or the next turn, does not fit ``max_total_tokens`` (policy +
   environment tokens after the prompt) or the observation exceeds ``max_observation_tokens``; the
   observation is not appended.
+* ``env_error``: a user's environment failed at this closed turn under ``multiturn.on_env_error:
+  end`` (``gspo.envs.guard``): the row keeps its turns so far and is scored as any other (a
+  failure at a turn without the end-of-turn token ends ``no_eos``; both count in ``env_errors``).
 
 The masks, by construction: ``policy`` 1 on every sampled token (each turn's end-of-turn token
 included), 0 on observation tokens; every real token attends. Log-probs are the sampler's on
@@ -37,7 +40,7 @@ import torch
 from gspo.envs import Environment, Observation, Turn
 from gspo.tasks.record import EpisodeRecord
 
-ENDS = ("done", "no_eos", "turns", "budget")
+ENDS = ("done", "no_eos", "turns", "budget", "env_error")
 
 Sampler = Callable[[list[list[int]], list[int], list[int]], list[tuple[list[int], list[float]]]]
 """sample(contexts, max_new, rows) -> per context (sampled ids, their log-probs): one turn each,
@@ -76,6 +79,9 @@ class Row:
     """How the row ended (ENDS); None while it is live."""
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_parse_errors: int = 0
+    env_errors: int = 0
+    """Turns a user's environment failed on (``Reply.error``; on_env_error=end)."""
     observation_tokens: int = 0
     drifted_turns: int = 0
     """Turns whose decode-then-encode gives other ids than the sampler's (kept: the sampler's)."""
@@ -149,9 +155,13 @@ def take_turn(row: Row, env: Environment, ids: list[int], logp: list[float],
     reply = env.step(Turn(text, ended=ended))
     row.tool_calls += reply.tool_calls
     row.tool_errors += reply.tool_errors
+    row.tool_parse_errors += reply.parse_errors
+    row.env_errors += reply.error is not None
     row.info.update(reply.info)
     if not ended:
         row.end = "no_eos"
+    elif reply.error is not None:               # a user's environment failed (gspo.envs.guard)
+        row.end = "env_error"
     elif reply.observation is None:
         row.end = "done"
     elif last:
@@ -231,16 +241,17 @@ def to_tensors(rows: Sequence[Row], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def episode_metrics(rows: Sequence[Row]) -> dict[str, float]:
-    """Per-step means: turns, tool calls and errors, observation tokens, how rows ended, drift."""
+    """Per-step means: turns, tool calls and errors (parse errors among them), observation tokens,
+    how rows ended, drift."""
     n = max(1, len(rows))
     turns = sum(len(r.turns) for r in rows)
     out = {"multiturn/turns_mean": turns / n,
            "multiturn/tool_calls_mean": sum(r.tool_calls for r in rows) / n,
            "multiturn/tool_errors_mean": sum(r.tool_errors for r in rows) / n,
+           "multiturn/tool_parse_errors": sum(r.tool_parse_errors for r in rows) / n,
+           "multiturn/env_errors_mean": sum(r.env_errors for r in rows) / n,
            "multiturn/tool_call_rate": sum(r.tool_calls > 0 for r in rows) / n,
            "multiturn/env_tokens_mean": sum(r.observation_tokens for r in rows) / n,
            "multiturn/retokenization_drift": sum(r.drifted_turns for r in rows) / max(1, turns)}
     out.update({f"multiturn/end_{end}": sum(r.end == end for r in rows) / n for end in ENDS})
     return out
-
-

@@ -154,8 +154,11 @@ class EpisodeLog:
 class Recorder:
     """The calls of ``episodes`` episodes (indices 0..n-1), stitched into rows under ``budgets``."""
 
-    def __init__(self, tokenizer, budgets: Budgets, episodes: int, context_limit: int):
+    def __init__(self, tokenizer, budgets: Budgets, episodes: int, context_limit: int,
+                 template_kwargs: dict | None = None):
         self.tokenizer, self.budgets, self.context_limit = tokenizer, budgets, context_limit
+        self.template_kwargs = dict(template_kwargs or {})
+        """The chat template's extra variables (``task.chat_template_kwargs``), in every rendering."""
         self.eos = tokenizer.eos_token_id
         self.logs = [EpisodeLog() for _ in range(episodes)]
         self.lock = threading.Lock()
@@ -174,7 +177,7 @@ class Recorder:
                 return self.fresh(log, self.render(messages, tools), keys)
             new = [for_template(m) for m in messages[len(parent.messages) + 1:]]
             try:     # no new message: the next assistant header alone
-                obs = observation_ids(self.tokenizer, new, self.eos)
+                obs = observation_ids(self.tokenizer, new, self.eos, template_kwargs=self.template_kwargs)
             except TemplateError as err:
                 raise Refused(400, str(err)) from None
             return self.continued(log, parent, obs, keys)
@@ -206,7 +209,7 @@ class Recorder:
 
     def render(self, messages: list, tools: list | None) -> list[int]:
         """The template's rendering of ``messages`` with the generation prompt, as ids."""
-        extra = {"tools": tools} if tools else {}
+        extra = {**self.template_kwargs, **({"tools": tools} if tools else {})}
         try:
             out = self.tokenizer.apply_chat_template([for_template(m) for m in messages], tokenize=True,
                                                      add_generation_prompt=True, **extra)
