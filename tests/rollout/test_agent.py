@@ -452,3 +452,50 @@ def test_a_call_that_only_sends_back_the_reply_continues_after_the_assistant_hea
         assert after == before + header
     assert episode.metrics["agent/rows_per_episode"] == 1
     assert [m["role"] for m in batch.records[0].transcript] == ["assistant", "assistant"]
+
+
+class QwenScripted(Scripted):
+    """``Scripted`` under Qwen3's template, where a tool result is a user turn's <tool_response>."""
+
+    def reply(self, context, j, seed):
+        k = self.tok.decode(context).count("<tool_response>")
+        text = f'<tool_call>\n{{"name": "add", "arguments": {{"a": {k}, "b": {j}}}}}\n</tool_call>' if k < 1 + j \
+            else f"done {k}"
+        return self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+
+
+def test_qwen3s_template_as_shipped_an_openai_agent_with_tools_gets_one_row(qwen3):
+    """Qwen3's tokenizer and chat template: the first prompt is the template's render, each
+    continuation appends exactly the template's ids for the tool result and the next assistant
+    header after the sampled <|im_end|>, and every episode is one row."""
+    from gspo.rollout.turns import observation_ids
+    calls = {}
+
+    def agent(base_url, api_key, example):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": example.data["question"]}]
+        while True:
+            reply = client.chat.completions.create(model="m", messages=messages)
+            calls.setdefault(base_url, []).append((reply.prompt_token_ids, reply.choices[0].token_ids, messages[-1]))
+            message = reply.choices[0].message
+            if not message.tool_calls:
+                return 1.0
+            messages.append(message.model_dump())
+            args = json.loads(message.tool_calls[0].function.arguments)
+            messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": str(args["a"] + args["b"])})
+
+    exs = [Example(prompt=qwen3.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                    add_generation_prompt=True), answer="", data={"question": q})
+           for q in QUESTIONS[:2]]
+    episode, batch = agent_batch(agent, qwen3, QwenScripted(qwen3), exs)
+    assert episode.metrics["agent/rows_per_episode"] == 1 and episode.metrics["multiturn/tool_calls_mean"] > 0
+    assert sorted(len(c) for c in calls.values()) == [2, 2, 3, 3]     # one and two tool calls
+    for episode_calls in calls.values():
+        first = episode_calls[0][0]
+        assert first == qwen3(exs[0].prompt if QUESTIONS[0] in qwen3.decode(first) else exs[1].prompt,
+                              add_special_tokens=False)["input_ids"]
+        for (prompt, sampled, _), (after, _, tool) in zip(episode_calls, episode_calls[1:]):
+            appended = observation_ids(qwen3, [tool], qwen3.eos_token_id)
+            assert after == prompt + sampled + appended
+            assert qwen3.decode(appended) == (f"\n<|im_start|>user\n<tool_response>\n{tool['content']}\n"
+                                              "</tool_response><|im_end|>\n<|im_start|>assistant\n")
