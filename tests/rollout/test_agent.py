@@ -1,82 +1,32 @@
 """The agent episode and its recording endpoint: agents written with the ``openai`` client drive
 trajectories through the run's engine; rows are the sampler's ids and log-probs, stitched per
-episode; the same task as a tool loop gives the same batch; faults are counted, never fatal.
+episode; the same task as a tool loop gives the same batch (faults: test_agent_faults.py).
 
-Engines: a scripted one (deterministic replies that call a tool, log-probs a function of the
-ids) where exact equality is the point, the hf engine on the tiny model for the log-probs."""
+Engines: a scripted one (tests/agent_helpers.py) where exact equality is the point, the hf engine
+on the tiny model for the log-probs."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
-import threading
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
 
-from gspo.envs import Reply
-from gspo.envs.tools import Hermes
-from gspo.rollout.engines.base import Capabilities, Engine
-from gspo.rollout.episodes import Agent
-from gspo.rollout.episodes.endpoint.batcher import runs
-from gspo.rollout.episodes.endpoint.recorder import key
-from gspo.rollout.episodes.tool_loop import collect_episodes, observer
-from gspo.rollout.episodes.turn_loop import Budgets
-from gspo.rollout.generate import Samples, SamplingParams, left_pad
-from gspo.rollout.tokenization import build_bpe_tokenizer
-from gspo.tasks import Example
-
 openai = pytest.importorskip("openai")
 
-QUESTIONS = ["What is 2 + 3 ?", "What is 4 + 1 ?", "What is 7 + 2 ?"]
-BUDGETS = Budgets(max_turns=4, max_new_tokens=40, max_total_tokens=200, max_observation_tokens=30)
-PARAMS = SamplingParams(max_new_tokens=40)
+from agent_helpers import (BUDGETS, PARAMS, QUESTIONS, Scripted, add_agent, agent_batch,  # noqa: E402
+                           bpe_tokenizer, examples, post)
+from gspo.envs import Reply  # noqa: E402
+from gspo.envs.tools import Hermes  # noqa: E402
+from gspo.rollout.episodes.endpoint.batcher import runs  # noqa: E402
+from gspo.rollout.episodes.endpoint.recorder import key  # noqa: E402
+from gspo.rollout.episodes.tool_loop import collect_episodes, observer  # noqa: E402
+from gspo.tasks import Example  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tok():
-    calls = [f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
-             for a in range(3) for b in range(3)]
-    return build_bpe_tokenizer((QUESTIONS + calls + ["user assistant tool", "done 0 1 2 3"]) * 4, vocab_size=400)
-
-
-def examples(n: int = 2) -> list[Example]:
-    return [Example(prompt=f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n", answer="",
-                    data={"question": q}) for q in QUESTIONS[:n]]
-
-
-class Scripted(Engine):
-    """A deterministic sampler: a context with fewer than ``want`` tool results (``want`` a function
-    of the context's ids, the draw and the seed) gets a hermes call of ``add``, else ``done k``;
-    log-prob of id t: -(t % 7 + 1) / 10."""
-
-    capabilities = Capabilities()
-
-    def __init__(self, tok):
-        self.tok, self.calls = tok, []
-
-    def reply(self, context: list[int], j: int, seed) -> list[int]:
-        k = self.tok.decode(context).count("<|im_start|>tool")
-        want = (sum(context) + j + (seed or 0)) % 3
-        text = (f'<tool_call>{{"name": "add", "arguments": {{"a": {k}, "b": {j}}}}}</tool_call>'
-                if k < want else f"done {k}")
-        return self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-
-    def generate(self, prompt_ids, group_size, params, seed=None, with_logprobs=True) -> Samples:
-        self.calls.append((len(prompt_ids), group_size, seed))
-        rows = [self.reply(p, j, seed)[:params.max_new_tokens] for p in prompt_ids for j in range(group_size)]
-        ids, mask = left_pad([r[::-1] for r in rows], self.tok.pad_token_id)      # right-pad: flip
-        ids, mask = ids.flip(1), mask.flip(1).float()
-        logp = -((ids % 7) + 1).float() / 10 * mask
-        truncated = torch.tensor([r[-1] != self.tok.eos_token_id for r in rows])
-        return Samples(ids, mask, truncated, logp)
-
-    def update_weights(self, weights, version):
-        pass
+    return bpe_tokenizer()
 
 
 class AddEnv:
@@ -96,28 +46,6 @@ class AddEnv:
 
     def reward(self):
         return float(len(self.last))
-
-
-def add_agent(base_url, api_key, example, stream=False):
-    """An agent written with the openai client: asks, runs the add calls it gets, asks again."""
-    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
-    messages = [{"role": "user", "content": example.data["question"]}]
-    while True:
-        reply = client.chat.completions.create(model="policy", messages=messages, logprobs=True)
-        choice = reply.choices[0]
-        if choice.finish_reason == "length" or not choice.message.tool_calls:
-            return float(len(choice.message.content or ""))
-        messages.append({"role": "assistant", "content": choice.message.content,
-                         "tool_calls": [c.model_dump() for c in choice.message.tool_calls]})
-        for call in choice.message.tool_calls:
-            args = json.loads(call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])})
-
-
-def agent_batch(fn, tok, engine, exs, G=2, seed=5, **kw):
-    episode = Agent(fn, BUDGETS, **{"timeout_s": 30.0, "batch_wait_s": 5.0, **kw})
-    batch = episode(engine, tok, exs, PARAMS, group_size=G, seed=seed, with_logprobs=True)
-    return episode, batch
 
 
 def test_the_endpoint_adds_nothing_to_a_tool_loop(tok):
@@ -218,92 +146,6 @@ def test_token_in_route_continues_by_ids(tok):
     assert m["agent/rows_per_episode"] == 1 and m["agent/calls_mean"] == 2 and m["agent/overridden_sampling"] == 2
 
 
-def post(url, api_key, body, raw: bytes | None = None, headers=None) -> dict:
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(
-        {"Authorization": f"Bearer {api_key}"} if api_key else {}), **(headers or {})})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
-
-
-def status_of(url, api_key, body=None, raw=None) -> int:
-    try:
-        post(url, api_key, body, raw)
-        return 200
-    except urllib.error.HTTPError as err:
-        line = json.loads(err.read())["error"]["message"]
-        assert "\n" not in line
-        return err.code
-
-
-def faulty(base_url, api_key, example):
-    """One fault per example (``data["fault"]``); answers 1.0 when the endpoint answered as it should."""
-    fault, url = example.data["fault"], f"{base_url}/chat/completions"
-    msgs = [{"role": "user", "content": example.data["question"]}]
-    if fault == "raise":
-        raise RuntimeError("the agent broke")
-    if fault == "hang":
-        time.sleep(5)
-        return 1.0
-    if fault == "hang_async":
-        async def forever():
-            await asyncio.sleep(60)
-        return forever()
-    expected = {"malformed": (400, dict(raw=b"{not json")), "n2": (400, dict(body={"messages": msgs, "n": 2})),
-                "stop": (400, dict(body={"messages": msgs, "stop": ["\n"]})),
-                "overflow": (400, dict(body={"messages": msgs + [{"role": "user", "content": "9 " * 3000}]})),
-                "nokey": (401, dict(body={"messages": msgs}))}
-    status, how = expected[fault]
-    got = status_of(url, None if fault == "nokey" else api_key, **how)
-    if got != status:
-        raise AssertionError(f"{fault}: got {got}")
-    post(url, api_key, {"messages": msgs, "temperature": 0.2})      # served, counted as an override
-    return 1.0
-
-
-def endpoint_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("gspo-agent")]
-
-
-def test_faults_are_counted_the_run_goes_on_and_nothing_is_left(tok):
-    faults = ["raise", "hang", "hang_async", "malformed", "n2", "stop", "overflow", "nokey"]
-    exs = [Example(prompt=f"<|im_start|>user\n{QUESTIONS[0]}<|im_end|>\n<|im_start|>assistant\n", answer="",
-                   data={"question": QUESTIONS[0], "fault": f}) for f in faults]
-    t0 = time.monotonic()
-    episode, batch = agent_batch(faulty, tok, Scripted(tok), exs, G=1, timeout_s=3.0, batch_wait_s=0.2)
-    assert time.monotonic() - t0 < 15                    # the hung agents cost their deadline, not more
-    m = episode.metrics
-    assert m["agent/errors"] == 1 and m["agent/timeouts"] == 2
-    assert m["agent/malformed"] == 1 and m["agent/unauthorized"] == 1 and m["agent/refused"] == 3
-    assert m["agent/overridden_sampling"] == 5
-    assert [r.reward for r in batch.records] == [None, None, None, 1.0, 1.0, 1.0, 1.0, 1.0]
-    assert batch.input_ids.shape[0] == len(faults)
-    deadline = time.monotonic() + 8                      # the sync hang ends its sleep, then its thread
-    while endpoint_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert endpoint_threads() == []
-
-
-def test_no_server_thread_or_port_is_left_after_a_batch(tok):
-    """Even with the agents' clients (and their keep-alive connections) still open."""
-    urls, clients = [], []
-
-    def agent(base_url, api_key, example):
-        urls.append(base_url)
-        clients.append(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0))
-        clients[-1].chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-        return 0.0
-
-    agent_batch(agent, tok, Scripted(tok), examples(1))
-    port = int(urls[0].split(":")[2].split("/")[0])
-    deadline = time.monotonic() + 3
-    while endpoint_threads() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert endpoint_threads() == []
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-
-
 def test_stitching_compares_content_and_parsed_calls():
     call = {"function": {"name": "add", "arguments": '{"b": 2, "a": 1}'}}
     with_markup = {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'}
@@ -311,18 +153,6 @@ def test_stitching_compares_content_and_parsed_calls():
     assert key({"role": "assistant", "content": "", "tool_calls": [call]}) == key(with_markup)
     assert key({"role": "assistant", "content": "x"}) != key(with_markup)
     assert runs([[1], [1], [2], [2]]) == 2 and runs([[1], [2]]) == 1 and runs([[1], [1], [2]]) is None
-
-
-def test_the_config_refuses_what_the_agent_cannot_serve(make_cfg):
-    from gspo.config.base import ConfigError
-    with pytest.raises(ConfigError, match="set agent.fn"):
-        make_cfg("rollout.episode=agent")
-    with pytest.raises(ConfigError, match="rewards.on_error=drop"):
-        make_cfg("rollout.episode=agent", "agent.fn=json:loads")
-    with pytest.raises(ConfigError, match="unset multiturn.env"):
-        make_cfg("rollout.episode=agent", "agent.fn=json:loads", "rewards.on_error=drop", "multiturn.env=guess")
-    cfg = make_cfg("rollout.episode=agent", "agent.fn=json:loads", "rewards.on_error=drop")
-    assert cfg.rollout.episode == "agent" and cfg.agent.timeout_s == 60.0
 
 
 class NonCanonical(Scripted):
@@ -423,13 +253,6 @@ def test_the_agent_of_docs_agents_md_runs(tok):
     m = episode.metrics
     assert m["agent/errors"] == m["agent/refused"] == 0 and m["agent/calls_mean"] > 1
     assert {r.reward for r in batch.records} <= {0.0, 1.0} and 1.0 in {r.reward for r in batch.records}
-
-
-def test_many_agents_connecting_at_once_are_all_served(tok):
-    """64 episodes open their connections together: none is refused by the listen backlog."""
-    exs = [Example(examples(3)[i % 3].prompt, "", examples(3)[i % 3].data) for i in range(32)]
-    episode, batch = agent_batch(add_agent, tok, Scripted(tok), exs)
-    assert episode.metrics["agent/errors"] == 0 and None not in [r.reward for r in batch.records]
 
 
 def test_a_call_that_only_sends_back_the_reply_continues_after_the_assistant_header(tok):
