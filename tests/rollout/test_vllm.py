@@ -176,3 +176,42 @@ def test_a_seeded_batch_longer_than_one_engine_step(dense):
     b = engine.generate(prompts, G, params, seed=5)
     assert a.response_ids.shape[0] == 64 * G
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp, b.logp)
+
+
+def test_agent_rows_through_the_endpoint_have_the_trainers_logprobs(dense):
+    """An agent over the recording endpoint's token route, served by vLLM: each episode's turns
+    stitched into one row (an observation after each turn that ends with EOS); vLLM's log-probs
+    on its policy tokens equal the trainer's forward, as in the tool loop."""
+    import json
+    import urllib.request
+    from gspo.rollout.episodes import Agent
+    from gspo.rollout.episodes.turn_loop import Budgets
+    model, tok, engine = dense
+    engine.update_weights(model.state_dict(), None)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+    def agent(base_url, api_key, example):
+        url = base_url.rsplit("/v1", 1)[0] + "/inference/v1/generate"
+        ids = tok(example.prompt)["input_ids"]
+        for turn in range(3):
+            req = urllib.request.Request(url, data=json.dumps({"token_ids": ids}).encode(), headers={
+                "Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                got = json.loads(r.read())["choices"][0]
+            if got["finish_reason"] != "stop" or turn == 2:
+                return 0.0
+            ids = ids + got["token_ids"] + enc(f"={turn + 1};")
+
+    episode = Agent(agent, Budgets(max_turns=3, max_new_tokens=NEW, max_total_tokens=40), timeout_s=300.0,
+                    batch_wait_s=30.0)
+    examples = [Example(prompt=p, answer="") for p in PROMPTS]
+    batch = episode(engine, tok, examples, SamplingParams(max_new_tokens=NEW, temperature=0.8), group_size=G,
+                    seed=3, with_logprobs=True)
+    policy = batch.response_mask
+    m = episode.metrics
+    assert m["agent/rows_per_episode"] == 1 and m["agent/errors"] == 0 and m["multiturn/env_tokens_mean"] > 0
+    with torch.no_grad():
+        trainer = response_logprobs(model, batch.input_ids, batch.attention_mask, policy,
+                                    temperature=0.8, with_entropy=False).logp
+    on = policy > 0
+    assert (trainer[on] - batch.rollout_logp[on]).abs().max() < 1e-5

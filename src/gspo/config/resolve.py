@@ -349,7 +349,8 @@ def multiturn(out: Resolved, env: Environment) -> None:
     if m.env is None:
         if m.tools:
             raise ValueError("multiturn.tools is set but multiturn.env is not: set multiturn.env=tools")
-        if any(s.type == "env" for s in c.rewards.sources):
+        own = c.rollout.episode is not None and episodes.gives_rewards(c.rollout.episode)
+        if any(s.type == "env" for s in c.rewards.sources) and not own:
             raise ValueError("rewards.sources has type env (the environment's own reward), but "
                              "multiturn.env is not set: no environment runs to give it")
         return

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, model_validator
 
 from gspo import objective_presets as presets
+from gspo.config.agent import AgentConfig
 from gspo.config.base import Section
 from gspo.config.models import ModelConfig, MoEConfig
 from gspo.config.multiturn import MultiTurnConfig
@@ -39,6 +40,8 @@ class TrainConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     multiturn: MultiTurnConfig = MultiTurnConfig()
     """Multi-turn, tool-using episodes: the environment, its tools and the episode's budgets (docs/multiturn.md); off (single-turn) by default."""
+    agent: AgentConfig = AgentConfig()
+    """An agent program of your own through the recording endpoint (rollout.episode=agent, docs/agents.md); its budgets are multiturn's."""
     objective: ObjectiveConfig = ObjectiveConfig()
     ppo: PPOConfig = PPOConfig()
     """objective.name=ppo: critic, GAE and value loss (docs/baselines.md); ignored otherwise."""

@@ -38,6 +38,10 @@ DECLARED: dict[str, str] = {
     # rollout vs trainer log-probs (gspo.core.correction, gspo.observe.diagnostics)
     "mismatch/ratio_max": MAX, "mismatch/ratio_min": MIN,
     "mismatch/token_abs_max": MAX, "mismatch/seq_logratio_abs_max": MAX,
+    # the agent episode's counts (gspo.rollout.episodes.agent; its means are MEANs)
+    **{f"agent/{count}": SUM for count in (
+        "rows_untrained", "fresh_renders", "engine_calls", "partial_batches", "overridden_sampling",
+        "timeouts", "errors", "refused", "malformed", "unauthorized", "late_calls")},
     # the step (gspo.training.step)
     "train/rows_skipped": SUM, "train/skipped": MAX,
     "perf/tokens_computed": SUM, "perf/tokens_real": SUM,

@@ -79,7 +79,7 @@ class Trainer:
         with self.dist.main_first():                # rank 0 fills the SFT cache, the others read it
             self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
                                                                         self.progress, self.episode)
-        if cfg.multiturn.env is not None and getattr(self.tokenizer, "chat_template", None):
+        if getattr(self.episode, "multi_turn", False) and getattr(self.tokenizer, "chat_template", None):
             check_template(self.tokenizer, self.tokenizer.eos_token_id,   # refused in one line
                            cfg.task.chat_template_kwargs)
         self.device = next(self.model.parameters()).device

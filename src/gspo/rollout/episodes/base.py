@@ -25,6 +25,12 @@ class Episode(Protocol):
 
     metrics: dict
     """The last batch's episode metrics (multiturn/*; empty for a single turn)."""
+    multi_turn: bool
+    """Its rows continue after the policy's end-of-turn token with the chat template's ids for
+    new messages, so the trainer refuses, at set-up, a template that rewrites sampled turns."""
+    gives_rewards: bool
+    """Its rows' records carry a reward of their own (``EpisodeRecord.reward``: the environment's,
+    the agent's), which ``rewards.sources: [{type: env}]`` scores."""
 
     def __call__(self, sampler, tokenizer, examples: list[Example], params: SamplingParams, *,
                  group_size: int, seed: int | None, with_logprobs: bool) -> RolloutBatch: ...
@@ -51,6 +57,11 @@ def build(name: str, cfg, task=None) -> Episode:
     """The episode ``name`` for the run's config (ValueError listing the valid names); with the
     run's ``task``, an episode may check what it builds from the first training example now."""
     return EPISODES.get(name).from_config(cfg, task)
+
+
+def gives_rewards(name: str) -> bool:
+    """Whether episode ``name``'s records carry rewards of their own (``Episode.gives_rewards``)."""
+    return bool(getattr(EPISODES.get(name), "gives_rewards", False))
 
 
 def refusal(name: str, cfg) -> str | None:

@@ -13,6 +13,8 @@ class SingleTurn:
     (a row's record is its completion: ``EpisodeRecord.single``)."""
 
     metrics: dict = {}
+    gives_rewards = False
+    multi_turn = False
 
     @classmethod
     def from_config(cls, cfg, task=None) -> "SingleTurn":

@@ -164,6 +164,8 @@ class ToolLoop:
     demonstration_env: Callable[[Example], Environment] | None = None
     """The environments of the cold start's demonstrations (default ``make_env``): a user's
     environment under ``on_env_error=fail`` whatever the run's setting."""
+    gives_rewards = True
+    multi_turn = True
 
     @classmethod
     def from_config(cls, cfg, task=None) -> "ToolLoop":

@@ -1,0 +1,17 @@
+"""The ``agent`` section (``gspo.rollout.episodes.agent``): an agent program of your own, driven
+through the recording endpoint (docs/agents.md)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from gspo.config.base import Section
+
+
+class AgentConfig(Section):
+    fn: str | None = None
+    """With rollout.episode=agent: module:function (sync or async), called G times per prompt as fn(base_url, api_key, example) -> reward or (reward, info)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one episode, the agent and its scoring: past it the episode is counted (agent/timeouts) and gets no reward."""
+    batch_wait_s: float = Field(2.0, gt=0)
+    """Longest wait for every live episode to send a call before the endpoint samples those waiting (a partial batch: agent/partial_batches)."""
