@@ -52,16 +52,12 @@ class TaskConfig(Section):
     @field_validator("columns")
     @classmethod
     def _columns(cls, columns: dict) -> dict:
-        for key in columns:
-            one_of("task.columns field", key, list(FIELDS))
-        return columns
+        return keys_among("task.columns field", columns, FIELDS)
 
     @field_validator("splits")
     @classmethod
     def _splits(cls, splits: dict) -> dict:
-        for key in splits:
-            one_of("task.splits key", key, list(SPLIT_KEYS))
-        return splits
+        return keys_among("task.splits key", splits, SPLIT_KEYS)
 
     @field_validator("name")
     @classmethod
@@ -112,3 +108,10 @@ class RewardsConfig(Section):
     """sandbox: CPU seconds per call (rounded up to whole seconds)."""
     sandbox_memory_mb: int = Field(1024, ge=64)
     """sandbox: address-space limit of the worker process."""
+
+
+def keys_among(what: str, mapping: dict, valid) -> dict:
+    """``mapping`` unchanged when every key is one of ``valid`` (else one_of's one line)."""
+    for key in mapping:
+        one_of(what, key, list(valid))
+    return mapping
