@@ -75,12 +75,25 @@ def test_raising_scorer_counts_zero():
     assert t.scorer_errors["prime_factorization"] == 2
 
 
-@pytest.mark.parametrize("name", ["game_of_life_halting"])
+def test_junk_equal_to_the_reference_is_not_junk():
+    build(dataset="polynomial_equations", n_train=3, n_test=3)   # "0" scores 1.0 where the root is 0.0
+
+
+@pytest.mark.parametrize("name", ["game_of_life_halting", "coin_flip"])
 def test_junk_accepting_scorer_refused(name):
     with pytest.raises(ValueError, match="allow_lenient_scorer") as err:
         build(dataset=name, n_train=2, n_test=2)
     assert "\n" not in str(err.value)
     build(dataset=name, n_train=2, n_test=2, allow_lenient_scorer=True)   # the explicit override
+
+
+def test_refusals_exit_2(tmp_path, capsys):
+    common = [f"run.dir={tmp_path / 'run'}", "run.progress=false", "run.tensorboard=false"]
+    assert main(["train", "task.name=reasoning_gym", "task.params={dataset: game_of_life_halting}",
+                 *common]) == 2
+    assert main(["train", "task.name=reasoning_gym", "task.params={dataset: graph_color}", *common]) == 2
+    err = capsys.readouterr().err
+    assert "allow_lenient_scorer" in err and "sft.enabled=false" in err
 
 
 def test_junk_probe_refuses_a_scorer_found_lenient(monkeypatch):
@@ -105,15 +118,12 @@ def test_system_prompt_before_the_question():
     assert t.split("test")[0].prompt.startswith("You are a helpful assistant")
 
 
-def test_sft_refused_without_reference_answers(make_cfg, monkeypatch):
+def test_sft_refused_without_reference_answers(make_cfg):
     from gspo.rollout.data import build_task
-    from gspo.tasks.reasoning_gym import ReasoningGym
-    real = ReasoningGym._example
-    monkeypatch.setattr(ReasoningGym, "_example",
-                        lambda self, name, idx, entry: real(self, name, idx, {**entry, "answer": None}))
-    cfg = make_cfg("task.name=reasoning_gym", "task.params={dataset: basic_arithmetic}")
-    with pytest.raises(UserError, match="basic_arithmetic has no reference answers.*sft.enabled=false"):
+    cfg = make_cfg("task.name=reasoning_gym", "task.params={dataset: graph_color}")   # answer None
+    with pytest.raises(UserError, match="graph_color has no reference answers.*sft.enabled=false") as err:
         build_task(cfg)
+    assert "\n" not in str(err.value)
 
 
 def test_not_installed_names_the_extra(monkeypatch):

@@ -14,8 +14,9 @@ of the completion's last `<answer>...</answer>`, or the whole stripped completio
 the reward is the dataset's `score_answer` (in [0, 1]; a scorer that raises scores 0, counted in
 `scorer_errors`), and `is_correct` is a score of exactly 1 (some scorers give partial credit).
 
-Refused at set-up: a scorer that accepts anything (`game_of_life_halting`, or one that gives 1.0
-to a junk answer "", "x" or "0" on the first entries), unless `allow_lenient_scorer`.
+Refused at set-up: a scorer known to accept junk (`game_of_life_halting`: any non-empty answer;
+`coin_flip`: "0" for a probability of 0.3125), or one that gives 1.0 to a junk answer "", "x" or
+"0" (not the reference itself) on its first entries, unless `allow_lenient_scorer`.
 `no_reference` lists the datasets whose entries lack a reference answer (SFT is refused for them
 in `gspo.rollout.data`). reasoning-gym is an optional extra (`pip install 'gspo[reasoning-gym]'`),
 imported only when this task is built. Not a multi-turn environment: one question, one answer.
@@ -26,11 +27,15 @@ from __future__ import annotations
 import importlib
 import re
 from collections import Counter
+from typing import Any
 
 from gspo.optional import require
 from gspo.tasks.base import Example, pick_split, register
 
-KNOWN_LENIENT = ("game_of_life_halting",)  # scores any non-empty answer 1.0
+KNOWN_LENIENT = {  # dataset -> what its scorer (reasoning-gym 0.1.25) gives full marks to
+    "game_of_life_halting": "any non-empty answer",
+    "coin_flip": '"0" for a probability of 0.3125',
+}
 JUNK = ("", "x", "0")  # answers a sound scorer never gives full marks (unless it is the reference)
 PROBE_ENTRIES = 3  # entries per dataset the junk probe scores
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -40,6 +45,15 @@ def extract_answer(completion: str) -> str:
     """The text of the last `<answer>...</answer>` in ``completion``, else the stripped completion."""
     found = _ANSWER.findall(completion)
     return (found[-1] if found else completion).strip()
+
+
+def same_value(junk: str, reference: Any) -> bool:
+    """Whether ``junk`` is the reference answer itself, as text or as a number ("0" and "0.0")."""
+    text = str(reference).strip()
+    try:
+        return junk == text or float(junk) == float(text)
+    except ValueError:
+        return False
 
 
 def dataset_specs(dataset: str | None, config: dict | None, datasets: list[dict] | None) -> list[dict]:
@@ -121,13 +135,13 @@ class ReasoningGym:
         """ValueError when the dataset's scorer gives 1.0 to a junk answer on its first entries."""
         name = spec["name"]
         if name in KNOWN_LENIENT:
-            raise ValueError(f"reasoning_gym: {name}'s scorer accepts any non-empty answer; "
+            raise ValueError(f"reasoning_gym: {name}'s scorer accepts {KNOWN_LENIENT[name]}; "
                              f"set task.params.allow_lenient_scorer=true to train on it anyway")
         ds = self._make(rg, spec, PROBE_ENTRIES)
         for idx in range(PROBE_ENTRIES):
             entry = ds[idx]
             for junk in JUNK:
-                if junk == str(entry.get("answer")).strip():
+                if same_value(junk, entry.get("answer")):
                     continue
                 try:
                     score = float(ds.score_answer(junk, entry))
