@@ -115,7 +115,9 @@ def test_bad_params_are_one_line():
 
 def test_system_prompt_before_the_question():
     t = build(dataset="basic_arithmetic", system_prompt="simple")
-    assert t.split("test")[0].prompt.startswith("You are a helpful assistant")
+    ex = t.split("test")[0]
+    assert ex.prompt.startswith("You are a helpful assistant") and ex.prompt.endswith(ex.data["messages"][1]["content"])
+    assert [m["role"] for m in ex.data["messages"]] == ["system", "user"]       # task.chat: a system turn
 
 
 def test_sft_refused_without_reference_answers(make_cfg):

@@ -9,7 +9,8 @@ split never comes from a second seed). A generator with too few distinct questio
 error.
 
 The prompt is the entry's question (`task.chat` renders it with the chat template; `system_prompt`
-names one of reasoning-gym's own system prompts to put before it). The answer scored is the text
+names one of reasoning-gym's own system prompts to put before it: a paragraph of the plain prompt,
+a system turn under `task.chat`). The answer scored is the text
 of the completion's last `<answer>...</answer>`, or the whole stripped completion when it has none;
 the reward is the dataset's `score_answer` (in [0, 1]; a scorer that raises scores 0, counted in
 `scorer_errors`), and `is_correct` is a score of exactly 1 (some scorers give partial credit).
@@ -179,9 +180,13 @@ class ReasoningGym:
     def _example(self, name: str, idx: int, entry: dict) -> Example:
         self._entries[name, idx] = entry
         answer = entry.get("answer")
-        prompt = entry["question"] if self.system_prompt is None else f"{self.system_prompt}\n\n{entry['question']}"
-        return Example(prompt=prompt, answer="" if answer is None else str(answer),
-                       data={"dataset": name, "index": idx, "has_answer": answer is not None})
+        data = {"dataset": name, "index": idx, "has_answer": answer is not None}
+        prompt = entry["question"]
+        if self.system_prompt is not None:   # plain: one text; chat: a system turn (gspo.rollout.chat)
+            prompt = f"{self.system_prompt}\n\n{entry['question']}"
+            data["messages"] = [{"role": "system", "content": self.system_prompt},
+                                {"role": "user", "content": entry["question"]}]
+        return Example(prompt=prompt, answer="" if answer is None else str(answer), data=data)
 
     def split(self, name: str) -> list[Example]:
         return pick_split(self.name, self._splits, name)
