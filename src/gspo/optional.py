@@ -9,8 +9,8 @@ from types import ModuleType
 
 from gspo.errors import UserError
 
-EXTRA = {"datasets": "data", "math_verify": "data"}  # module -> the pip extra that installs it
-PACKAGE = {"math_verify": "math-verify"}
+EXTRA = {"datasets": "data", "math_verify": "data", "reasoning_gym": "reasoning-gym"}  # module -> the pip extra that installs it
+PACKAGE = {"math_verify": "math-verify", "reasoning_gym": "reasoning-gym"}
 
 
 def require(module: str, purpose: str) -> ModuleType:

@@ -205,6 +205,10 @@ def build_task(cfg) -> CheckedTask:
                                **t.params)
         except (ValueError, TypeError) as err:  # the generator's options come from task.params
             raise UserError(f"task.params: {err}") from None
+    sft = getattr(cfg, "sft", None)
+    if sft is not None and sft.enabled and getattr(task, "no_reference", None):  # reasoning_gym
+        raise UserError(f"task {t.name}: {', '.join(task.no_reference)} has no reference answers to "
+                        f"demonstrate; set sft.enabled=false")
     tokenizer_context = tokenizer_and_context(cfg, task.split("train"))
     if t.chat:
         tools = described_tools(cfg)

@@ -5,8 +5,9 @@
 Prompts and answers are short plain ASCII, sized for tiny character-level models. Built in:
 `arithmetic`, `multistep`, `countdown`, `dataset` (local JSONL / JSON / parquet / CSV / arrow files
 through Hugging Face datasets), `custom` (its JSONL form, read line by line, with a user reward
-function), and the tool-use tasks `calculator`, `lookup`, `guess` (multi-turn: `gspo.envs`). A new task is
-a class with those methods under `@register("name")`. Reward composition lives in `gspo.rewards.sources`.
+function), `reasoning_gym` (reasoning-gym's datasets and scorers, an optional extra), and the
+tool-use tasks `calculator`, `lookup`, `guess` (multi-turn: `gspo.envs`). A new task is a class
+with those methods under `@register("name")`. Reward composition lives in `gspo.rewards.sources`.
 
 The tasks layer never imports torch, models, rewards or anything above: tasks are plain Python
 over strings (import-linter); only `gspo.errors`, `gspo.registry` and `gspo.optional` are below it.
@@ -23,6 +24,6 @@ from gspo.tasks.base import (
 )
 
 # Built-in tasks register themselves on import.
-from gspo.tasks import arithmetic, countdown, dataset, multistep, tooluse  # noqa: E402,F401  isort: skip
+from gspo.tasks import arithmetic, countdown, dataset, multistep, reasoning_gym, tooluse  # noqa: E402,F401  isort: skip
 
 __all__ = ["Example", "Task", "TaskDataError", "available", "build", "get", "register"]
