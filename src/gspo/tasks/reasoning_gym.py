@@ -25,7 +25,6 @@ imported only when this task is built. Not a multi-turn environment: one questio
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections import Counter
 from typing import Any
@@ -112,7 +111,7 @@ class ReasoningGym:
         self.specs = dataset_specs(dataset, config, datasets)
         if min(n_train, n_test, n_val) < 0:
             raise ValueError(f"reasoning_gym: n_train, n_test, n_val must be >= 0, got {n_train}, {n_test}, {n_val}")
-        prompts = importlib.import_module("reasoning_gym.utils").SYSTEM_PROMPTS
+        from reasoning_gym.utils import SYSTEM_PROMPTS as prompts   # (the package is installed: require)
         if system_prompt is not None and system_prompt not in prompts:
             raise ValueError(f"reasoning_gym: unknown system_prompt {system_prompt!r}; valid: {', '.join(prompts)}")
         self.system_prompt = prompts[system_prompt] if system_prompt else None
