@@ -103,7 +103,8 @@ def test_behaviour_hands_over_the_workers_logprobs():
         strategy(batch, torch.ones(2), plan, StepTimer(torch.device("cpu")), 1)
 
 
-def test_proximal_waits_for_the_worker_before_minibatch_two():
+def test_proximal_waits_for_the_worker_after_minibatch_one():
+    """Minibatch 1's forward is its π_prox (written in); minibatch 2 waits for the worker's."""
     cfg = load_config(None, ASYNC)
     fetched = []
     got = types.SimpleNamespace(rows=torch.tensor([1]), logp=torch.tensor([[-0.25, 0.0]]),
@@ -115,10 +116,31 @@ def test_proximal_waits_for_the_worker_before_minibatch_two():
     assert strategy.reuse_first(batch)
     plan = plan_update([torch.tensor([0]), torch.tensor([1])], None, reuse_first=True)
     old = strategy(batch, torch.tensor([1.0, -1.0]), plan, StepTimer(torch.device("cpu")), 1)
-    old.before_minibatch(0)
-    assert fetched == [] and old.logp.abs().sum() == 0        # minibatch 1: its own forward
-    old.before_minibatch(1)
-    assert fetched == [1] and old.logp[1].tolist() == [-0.25, 0.0]
+    first = Minibatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), batch.loss_mask, True)
+    pi = old.minibatch(first, torch.tensor([[-0.5, -0.75]]), reused=True)
+    assert fetched == [] and pi.logp.tolist() == [[-0.5, -0.75]]      # its own forward
+    assert old.logp[1].abs().sum() == 0
+    second = Minibatch(torch.tensor([1]), torch.tensor([0]), torch.tensor([1]), batch.loss_mask, True)
+    pi = old.minibatch(second, torch.tensor([[-9.0, -9.0]]), reused=False)
+    assert fetched == [1] and pi.logp.tolist() == [[-0.25, 0.0]]      # the worker's, not π_θ's
+    assert pi.advantages.tolist() == [-1.0]                          # ρ = 1: weight 1
+
+
+def test_known_old_logprobs_are_handed_over_unchanged():
+    """recompute: the minibatch's π_old, advantages and mask are the batch's rows, whatever the
+    forward computed (no reuse), and asking twice changes nothing."""
+    policy, _ = _policy()
+    batch = _batch(version=0)
+    plan = plan_update([torch.tensor([1, 0])], None, reuse_first=False)
+    old = policy.pick(batch, 0)(batch, torch.tensor([1.0, -1.0]), plan,
+                                StepTimer(torch.device("cpu")), 0)
+    mb = Minibatch(torch.tensor([1, 0]), torch.tensor([0, 1]), torch.tensor([1, 0]),
+                   batch.loss_mask, True)
+    for _ in range(2):
+        pi = old.minibatch(mb, torch.full((2, 2), -3.0), reused=False)
+        assert pi.logp.tolist() == [[-0.5, 0.0], [-0.5, -0.5]]
+        assert pi.advantages.tolist() == [-1.0, 1.0]
+        assert pi.mask.tolist() == [[1.0, 0.0], [1.0, 1.0]]
 
 
 def test_proximal_corrects_the_loss_mask_not_the_response_mask():
@@ -134,8 +156,8 @@ def test_proximal_corrects_the_loss_mask_not_the_response_mask():
     plan = plan_update([torch.tensor([0]), torch.tensor([1])], None, reuse_first=True)
     old = policy.pick(batch, 1)(batch, torch.tensor([1.0, -1.0]), plan,
                                 StepTimer(torch.device("cpu")), 1)
-    old.before_minibatch(1)
     mb = Minibatch(torch.tensor([1]), torch.tensor([0]), torch.tensor([1]), batch.loss_mask, True)
-    old.minibatch_advantages(mb, batch.loss_mask)
+    pi = old.minibatch(mb, torch.zeros(1, 2), reused=False)
+    assert pi.mask.tolist() == [[0.0, 0.0]]
     assert batch.loss_mask.tolist() == [[1.0, 1.0], [0.0, 0.0]]
     assert batch.response_mask.tolist() == [[1.0, 1.0], [1.0, 0.0]]

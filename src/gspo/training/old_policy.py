@@ -15,9 +15,11 @@ batch's kind (``OldPolicy.pick``), never by an ``if`` in the step:
   first runs (gspo.training.proximal), each minibatch's rows corrected once they are in.
 
 Whatever the strategy, it hands the step an ``OldLogprobs``: log π_old [N, T], the advantages
-weighted by the rollout correction, the correction's mismatch/* metrics, and hooks the minibatch
-loop calls (no-ops but for ``proximal``). It also sets the batch's loss mask, once: the scored
-mask times the correction's mask (``proximal``: per minibatch, as π_prox arrives).
+weighted by the rollout correction and the correction's mismatch/* metrics. The minibatch loop
+asks it once per minibatch, after the forward, for that minibatch's π_old, advantages and loss
+mask (``OldLogprobs.minibatch``): where the first minibatch's forward is π_old, where
+``proximal`` waits for the worker and corrects. It also sets the batch's loss mask, once: the
+scored mask times the correction's mask (``proximal``: per minibatch, as π_prox arrives).
 Shapes: N rows, T response positions.
 """
 
@@ -48,26 +50,42 @@ class ProximalFeed(Protocol):
 
 
 @dataclass
+class OldMinibatch:
+    """π_old as one minibatch (or micro-batch) trains on it: what the objective takes beside π_θ."""
+    logp: Tensor                    # [m, T] log π_old of its rows
+    advantages: Tensor              # [m] or [m, T], weighted by the rollout correction
+    mask: Tensor                    # [m, T] its loss mask (the correction's included)
+
+
+@dataclass
 class OldLogprobs:
-    """log π_old of one step's batch, as the strategy made it, and its minibatch hooks."""
+    """log π_old of one step's batch, as the strategy made it; ``minibatch`` hands it to the
+    update one minibatch at a time."""
     logp: Tensor                    # [N, T] (rows the plan does not read stay 0)
     advantages: Tensor              # [N] or [N, T], weighted by the rollout correction
     metrics: dict = field(default_factory=dict)   # mismatch/* before the update
     late: LateProximal | None = None
 
-    def before_minibatch(self, i: int) -> None:
-        """Before minibatch ``i``'s forward: the worker's π_prox is in by minibatch 2."""
-        if self.late is not None and i == 1:
-            self.late.fill(self.logp)          # made by the worker while minibatch 1 ran
+    def minibatch(self, mb: Minibatch, computed: Tensor, *, reused: bool) -> OldMinibatch:
+        """π_old of minibatch ``mb`` once its forward has run; ``computed`` [n, T]: π_θ of the
+        rows it computed (``mb.idx[mb.pos]``). ``reused`` (the plan's first minibatch, before
+        any optimizer step): that forward is its rows' π_old, bit for bit, and is written in.
+        ``proximal``: the later minibatches wait for the worker's π_prox (made while the first
+        ran), and the rows computed are corrected now that their π_old is in; the correction's
+        mask goes into ``mb.mask``, the update's loss mask."""
+        rows = mb.idx[mb.pos.to(mb.idx.device)]                                    # [n]
+        if reused:
+            self.logp[rows] = computed.detach()
+        elif self.late is not None:
+            self.late.fill(self.logp)
+        if self.late is not None and mb.live:   # (the counts were taken before, unaffected)
+            self.late.correct(rows, self.logp, mb.mask)
+        return self.view(mb)
 
-    def minibatch_advantages(self, mb: Minibatch, mask: Tensor) -> Tensor:
-        """The advantages minibatch ``mb`` trains on [N] or [N, T]; ``proximal``: its rows are
-        corrected now that their π_old is in (their ``mask`` rows, the loss mask, too)."""
-        if self.late is None:
-            return self.advantages
-        if mb.live:                 # (one process: the counts were taken before, unaffected)
-            self.late.correct(mb.idx[mb.pos.to(mb.idx.device)], self.logp, mask)
-        return self.late.advantages
+    def view(self, mb: Minibatch) -> OldMinibatch:
+        """π_old of minibatch ``mb`` as it stands (no forward to take in)."""
+        advantages = self.advantages if self.late is None else self.late.advantages
+        return OldMinibatch(self.logp[mb.idx], advantages[mb.idx], mb.mask[mb.idx])
 
     def finish(self, response_mask: Tensor, trained: Tensor) -> dict:
         """After the update: ``proximal``'s mismatch/* over the ``trained`` rows, its final

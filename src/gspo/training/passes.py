@@ -58,13 +58,20 @@ class Minibatch:
 
 @dataclass
 class MinibatchForward:
-    """π_θ on one minibatch, as the objective reads it, and what the MoE layers did."""
-    logp: Tensor                # [m, T] log π_θ (rows without a forward: log π_old)
+    """π_θ on the rows of one minibatch that get a forward, and what the MoE layers did."""
+    logp: Tensor                # [n, T] log π_θ of the rows computed, with gradient
     entropy: Tensor | None      # [n, T] of the rows computed (None: no row computed)
     mask: Tensor | None         # [n, T] their loss mask
     stats: dict                 # moe/* routing metrics of the rows computed
     rows: RolloutBatch | None = None   # the rows computed
     capture: object = None      # their routing capture (MoE)
+
+    def over(self, mb: Minibatch, old_logp: Tensor) -> Tensor:
+        """[m, T] log π_θ of the whole minibatch, as the objective reads it: the rows computed,
+        and the others (no signal, no forward) at their ``old_logp`` [m, T] (ratio 1)."""
+        if len(mb.pos) == len(mb.idx):
+            return self.logp
+        return old_logp.index_copy(0, mb.pos.to(old_logp.device), self.logp)
 
 
 class LogprobPasses:
@@ -140,27 +147,23 @@ class LogprobPasses:
             return logp
         return logp.new_zeros(batch.response_mask.shape).index_copy_(0, rows.to(logp.device), logp)
 
-    def minibatch(self, batch: RolloutBatch, mb: Minibatch, old_logp: Tensor, *,
-                  fill_old: bool) -> MinibatchForward:
-        """π_θ of the rows ``mb.idx[mb.pos]`` with gradient; the other rows of ``mb.idx`` read
-        ``old_logp``. ``fill_old``: the first minibatch, before any optimizer step, writes its own
-        detached log-probs (and experts) into ``old_logp`` as π_old's, in place."""
-        whole = len(mb.pos) == len(mb.idx)
+    def minibatch(self, batch: RolloutBatch, mb: Minibatch, *, as_old: bool) -> MinibatchForward:
+        """π_θ of the rows ``mb.idx[mb.pos]`` with gradient. ``as_old``: the first minibatch,
+        before any optimizer step, stands for π_old (its log-probs are written in by
+        ``OldLogprobs.minibatch``); MoE: its experts become the batch's π_old experts."""
         host_rows = None if mb.host_idx is None else mb.host_idx[mb.pos]
         pos = mb.pos.to(mb.idx.device)
-        rows = mb.idx if whole else mb.idx[pos]
+        rows = mb.idx if len(mb.pos) == len(mb.idx) else mb.idx[pos]
         if not len(rows):
-            return MinibatchForward(old_logp[mb.idx], None, None, {})            # [m, T]
+            T = mb.mask.shape[1]
+            return MinibatchForward(mb.mask.new_zeros((0, T), dtype=torch.float32), None, None, {})
         sub = batch.select(rows)
         out, cap = self.routed(sub, with_entropy=True, rows=host_rows, keep_logits=self.aux_loss)
-        if fill_old:  # before the first optimizer step π_θ = π_old, bit for bit
-            old_logp[rows] = out.logp.detach()
-            if self.is_moe and self.routing_replay == "none":
-                store_routing(batch, rows, cap.routing)
-                sub.routing = cap.routing
-        logp = out.logp if whole else old_logp[mb.idx].index_copy(0, pos, out.logp)  # [m, T]
+        if as_old and self.is_moe and self.routing_replay == "none":
+            store_routing(batch, rows, cap.routing)
+            sub.routing = cap.routing
         stats = routing_stats(sub, cap) if self.is_moe else {}
-        return MinibatchForward(logp, out.entropy, mb.mask[rows], stats, sub, cap)
+        return MinibatchForward(out.logp, out.entropy, mb.mask[rows], stats, sub, cap)
 
     def router_loss(self, fwd: MinibatchForward) -> Tensor | None:
         """The router's load-balancing loss over the rows computed (None: off, or no row)."""

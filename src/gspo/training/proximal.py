@@ -6,10 +6,10 @@ rollout-mismatch correction weighs π_prox against the sampler's π_v (docs/math
 π_prox costs a log-prob pass; here it costs the trainer nothing on top of its update:
 
 * minibatch 1's π_prox is its own forward before the first optimizer step (the synchronous
-  loop's on-policy first minibatch, ``LogprobPasses.minibatch(fill_old=True)``);
+  loop's on-policy first minibatch, ``OldLogprobs.minibatch(reused=True)``);
 * the later minibatches' π_prox is computed by the rollout worker, which receives version k as
   step k starts, while the trainer runs minibatch 1 (``async_rollout.proximal_logp``): ``fill``
-  waits for it before minibatch 2;
+  waits for it once minibatch 2's forward has run (that forward does not read π_old);
 * the correction is therefore taken per minibatch, on the rows it computes (``correct``): every
   registered correction is row-local, so each row gets the weight and mask it gets from the
   whole batch. Rows without a signal (no forward, Â = 0) are not corrected: their loss is 0

@@ -159,10 +159,11 @@ class RLStep:
     def update(self, batch: RolloutBatch, old: OldLogprobs, plan: UpdatePlan,
                timer: StepTimer | None = None) -> tuple[dict, UpdateRecord]:
         """M minibatch updates on one rollout batch (``plan``): log-probs, objective, backward,
-        clip, step; (metrics averaged over minibatches, what each row trained on). The plan may
-        have the first minibatch write its rows of ``old.logp`` (in place); ``old``'s hooks
-        complete π_old (proximal) as the minibatches run. The loss mask is ``batch.loss_mask``
-        (the scored mask when the step has not set it)."""
+        clip, step; (metrics averaged over minibatches, what each row trained on). After each
+        forward ``old.minibatch`` hands over that minibatch's π_old, advantages and loss mask
+        (the plan's first forward may be π_old itself; proximal: π_prox arrives, rows are
+        corrected). The loss mask is ``batch.loss_mask`` (the scored mask when the step has not
+        set it)."""
         if batch.loss_mask is None:
             batch.loss_mask = scored_mask(batch, self.cfg.train.mask_truncated)
         record, timer = UpdateRecord.start(batch.loss_mask), timer or StepTimer(self.device)
@@ -173,22 +174,22 @@ class RLStep:
         lengths, forwards = row_lengths(batch), []   # (prompt, response) [N] CPU; rows per forward
         for i, mb in enumerate(minibatches(plan, batch.loss_mask, self.device)):
             with timer.section("forward_backward"):
-                old.before_minibatch(i)
                 counts = self.ranks.global_counts(mb.mask[mb.idx])   # normalisers over all ranks
-                fill = i == 0 and plan.reuse_first and mb.live
+                reused = i == 0 and plan.reuse_first and mb.live     # this forward is π_old too
                 parts = self.microbatches(mb, lengths)
                 forwards += [mb.host_idx[mb.pos][p] for p in parts] if mb.live else []
                 if len(parts) > 1:
-                    total, stats = self.accumulate(batch, mb, parts, old, counts, ref_logp, fill,
-                                                   record)
+                    total, stats = self.accumulate(batch, mb, parts, old, counts, ref_logp,
+                                                   reused, record)
                 else:
-                    fwd = self.passes.minibatch(batch, mb, old.logp, fill_old=fill)
-                    adv = old.minibatch_advantages(mb, batch.loss_mask)
-                    loss, stats = self.objective(fwd.logp, old.logp[mb.idx], adv[mb.idx],
-                                                 mb.mask[mb.idx], **self.objective_kwargs, **counts)
+                    fwd = self.passes.minibatch(batch, mb, as_old=reused)
+                    pi_old = old.minibatch(mb, fwd.logp, reused=reused)   # [m, T], adv, mask
+                    logp = fwd.over(mb, pi_old.logp)                       # [m, T]
+                    loss, stats = self.objective(logp, pi_old.logp, pi_old.advantages,
+                                                 pi_old.mask, **self.objective_kwargs, **counts)
                     if mb.live:
-                        record.add(mb.idx, fwd.logp, loss)
-                    total, stats = self.regularised(loss, stats, fwd, mb, counts, ref_logp)
+                        record.add(mb.idx, logp, loss)
+                    total, stats = self.regularised(loss, stats, fwd, logp, mb, counts, ref_logp)
                     self.backward(total, mb.partial)
                 total = self.ranks.sync_grads(self.model, total)  # Σ_r ∇L_r = ∇L, the global loss
             with timer.section("optimizer"):
@@ -238,10 +239,10 @@ class RLStep:
         with lora.reference(self.ref_model):             # LoRA: the same model, adapter off
             return self.passes.logprobs(self.ref_model, batch).logp
 
-    def regularised(self, loss: Tensor, stats: dict, fwd: MinibatchForward, mb: Minibatch,
-                    counts: dict, ref_logp: Tensor | None) -> tuple[Tensor, dict]:
+    def regularised(self, loss: Tensor, stats: dict, fwd: MinibatchForward, logp: Tensor,
+                    mb: Minibatch, counts: dict, ref_logp: Tensor | None) -> tuple[Tensor, dict]:
         """The objective's loss (+ the MoE router loss), + β·KL(π_θ‖π_ref) − c·H: the total to
-        differentiate, and the minibatch's detached stats."""
+        differentiate, and the minibatch's detached stats; ``logp`` [m, T]: π_θ of its rows."""
         train, agg, mask = self.cfg.train, self.aggregation, mb.mask[mb.idx]
         measured = mb.live     # a stand-in row (no row of the minibatch here) measures nothing
         stats = {**{f"policy/{k}": v for k, v in stats.items()}, **(fwd.stats if measured else {})}
@@ -254,7 +255,7 @@ class RLStep:
             stats["policy/entropy"] = objectives.aggregate(fwd.entropy.detach(), fwd.mask, agg)
         total = loss
         if ref_logp is not None:  # (the plan trains every row when beta > 0 or entropy_coef > 0)
-            kl = objectives.aggregate(objectives.kl_k3(fwd.logp, ref_logp[mb.idx]), mask, agg,
+            kl = objectives.aggregate(objectives.kl_k3(logp, ref_logp[mb.idx]), mask, agg,
                                       **counts)
             total = total + train.beta * kl
             stats["policy/kl_ref"] = kl.detach()
@@ -273,7 +274,7 @@ class RLStep:
         return token_microbatches(lengths[0][rows], lengths[1][rows], budget)
 
     def accumulate(self, batch: RolloutBatch, mb: Minibatch, parts: list[Tensor], old: OldLogprobs,
-                   counts: dict, ref_logp: Tensor | None, fill: bool,
+                   counts: dict, ref_logp: Tensor | None, reused: bool,
                    record: UpdateRecord) -> tuple[Tensor, dict]:
         """The minibatch's gradient as a sum over micro-batches (``parts``, positions within
         ``mb.pos``): each loss carries the minibatch's global normalisers ``counts``, so the sum is
@@ -284,24 +285,26 @@ class RLStep:
         if not counts:   # one process: the minibatch's own counts, for each micro-batch's loss
             lengths = (mb.mask[mb.idx] > 0).sum(-1)                                # [m] |y_i|
             counts = {"num_seqs": (lengths > 0).sum(), "num_tokens": lengths.sum()}
-        logp = old.logp[mb.idx].detach().clone()                                   # [m, T]
-        total, parts_stats, entropy = 0.0, [], []
+        total, parts_stats, entropy, computed = 0.0, [], [], []
         for j, part in enumerate(parts):
             pos = mb.pos[part]
             sub = Minibatch(mb.idx[pos.to(mb.idx.device)], torch.arange(len(pos)), mb.host_idx[pos],
                             mb.mask, live=True)
-            fwd = self.passes.minibatch(batch, sub, old.logp, fill_old=fill)
-            adv = old.minibatch_advantages(sub, batch.loss_mask)
-            loss, _ = self.objective(fwd.logp, old.logp[sub.idx], adv[sub.idx], mb.mask[sub.idx],
+            fwd = self.passes.minibatch(batch, sub, as_old=reused)
+            pi_old = old.minibatch(sub, fwd.logp, reused=reused)                  # [n, T], ...
+            loss, _ = self.objective(fwd.logp, pi_old.logp, pi_old.advantages, pi_old.mask,
                                      **self.objective_kwargs, **counts)
-            part_total, stats = self.regularised(loss, {}, fwd, sub, counts, ref_logp)
+            part_total, stats = self.regularised(loss, {}, fwd, fwd.logp, sub, counts, ref_logp)
             self.backward(part_total, mb.partial, accumulate=j > 0)
             total = total + part_total.detach()
-            logp[pos.to(logp.device)] = fwd.logp.detach()
+            computed.append(fwd.logp.detach())
             parts_stats.append((mb.mask[sub.idx].sum().float(), stats))
             if fwd.entropy is not None:
                 entropy.append((fwd.entropy.detach(), fwd.mask))
-        loss, stats = self.objective(logp, old.logp[mb.idx], adv[mb.idx], mb.mask[mb.idx],
+        pi_old = old.view(mb)                       # the whole minibatch, its rows now in
+        where = torch.cat([mb.pos[part] for part in parts]).to(pi_old.logp.device)
+        logp = pi_old.logp.index_copy(0, where, torch.cat(computed))               # [m, T]
+        loss, stats = self.objective(logp, pi_old.logp, pi_old.advantages, pi_old.mask,
                                      **self.objective_kwargs, **counts)
         record.add(mb.idx, logp, loss)
         stats = {**{f"policy/{k}": v for k, v in stats.items()}, **combined(parts_stats)}
