@@ -137,3 +137,113 @@ def test_registry_and_refusals(policy, monkeypatch):
         with pytest.raises(engines.EngineUnavailable, match="needs the 'vllm' package") as err:
             engines.build("vllm", model, tok)
         assert "\n" not in str(err.value)
+
+
+def lora_policy(seed: int = 0, **lora):
+    """tiny-dense under LoRA adapters (r=4, all linear layers) whose B is not zero: a policy that
+    differs from its base. Returns (policy, tokenizer)."""
+    from gspo.config import LoRAConfig
+    from gspo.training.lora import attach
+    model, tok = build_model("tiny-dense", seed)
+    policy = attach(model, LoRAConfig(**{"r": 4, **lora}), seed=seed, base="tiny-dense")
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return policy.eval(), tok
+
+
+def test_a_lora_policy_reaches_a_whole_weight_engine_merged_out_of_place():
+    """engines.weights.merged_adapters: the base model's names (no lora_A / lora_B, no
+    base_layer), each adapted weight W + B·A·alpha/r (by hand here: q_proj of layer 0), the other
+    tensors the policy's own; the policy's weights untouched; a plain model loaded with them
+    computes the policy's log-probs."""
+    from gspo.core.logprobs import response_logprobs
+    from gspo.rollout.engines.weights import architecture, merged_adapters
+    policy, tok = lora_policy()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    merged = merged_adapters(policy)
+    plain = build_model("tiny-dense", 0)[0]
+    assert sorted(merged) == sorted(plain.state_dict())
+    q = policy.base_model.model.model.layers[0].self_attn.q_proj
+    A, B, W = q.lora_A["default"].weight, q.lora_B["default"].weight, q.base_layer.weight  # [r, in], [out, r], [out, in]
+    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], W + B @ A * (32.0 / 4),
+                          atol=1e-6)
+    assert torch.equal(merged["model.embed_tokens.weight"],
+                       policy.get_base_model().model.embed_tokens.weight)       # not adapted
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())   # not merged in place
+    assert architecture(policy) is policy.get_base_model()
+    plain.load_state_dict(dict(merged))
+    ids = torch.tensor([tok("S 4 7 3: 14")["input_ids"], tok("S 1 2 9: 12")["input_ids"]])   # [2, L]
+    with torch.no_grad():
+        want, got, base = (response_logprobs(m, ids, torch.ones_like(ids), torch.ones(2, 3),
+                                             temperature=1.0, with_entropy=False).logp
+                           for m in (policy, plain, build_model("tiny-dense", 0)[0]))
+    assert (got - want).abs().max() < 1e-5 < (base - want).abs().max()
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_an_adapter_on_a_tied_weight_is_not_merged():
+    """Tied embeddings and output head are one tensor: an adapter on the embeddings would change
+    the head too once merged, so it is refused in one line."""
+    from gspo.rollout.engines.weights import merged_adapters
+    policy, _ = lora_policy(target_modules=["embed_tokens"])
+    with pytest.raises(ValueError, match="tied to another weight") as err:
+        merged_adapters(policy)
+    assert "\n" not in str(err.value)
+
+
+class WholeWeights(engines.Engine):
+    """An engine with kernels of its own (Capabilities.adapters False) that records what it is
+    built from and handed."""
+    capabilities = engines.Capabilities(own_kernels=True)
+
+    def __init__(self, model, tokenizer, weights=None):
+        self.built_from, self.received = model, [dict(weights)]
+
+    def update_weights(self, weights, version):
+        self.received.append(dict(weights))
+
+    def generate(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+class OneProcess:
+    """The Shards of one process (gspo.rollout.shares.Shards)."""
+    world = 1
+
+    def weights(self, model):
+        return model.state_dict()
+
+
+def test_the_engine_host_merges_for_an_engine_without_adapters_only(monkeypatch):
+    """EngineHost reads Capabilities.adapters: an engine that samples whole weights only is built
+    from the LoRA policy's base and synced with the merged weights before every generation (an
+    adapter step reaches it); hf samples on the policy itself, adapters and all."""
+    from types import SimpleNamespace
+    from gspo.rollout.engine_host import EngineHost
+    from gspo.rollout.engines.weights import merged_adapters
+    monkeypatch.setattr(engines.base, "ENGINES", engines.ENGINES.copy())
+    engines.register("whole")(WholeWeights)
+    policy, tok = lora_policy()
+    rollout = SimpleNamespace(engine="whole", dtype="model", engine_sleep=False, quantize=None,
+                              engine_tp=1, placement="colocated")
+    cfg = SimpleNamespace(rollout=rollout, seed=0, run=SimpleNamespace(threads=1))
+    host = EngineHost(cfg, policy, tok, OneProcess())
+    engine = host.sampler(0)
+    assert host.merges() and engine.built_from is policy.get_base_model()
+    with torch.no_grad():                                          # an optimizer step on the adapters
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.add_(0.01)
+    host.sampler(1)
+    first, synced = engine.received
+    want = dict(merged_adapters(policy))
+    assert synced.keys() == want.keys() == first.keys()
+    assert all(torch.equal(synced[k], want[k]) for k in want)
+    assert not torch.equal(first["model.layers.0.mlp.up_proj.weight"],
+                           synced["model.layers.0.mlp.up_proj.weight"])
+    hf = EngineHost(SimpleNamespace(**{**vars(cfg), "rollout": SimpleNamespace(
+        **{**vars(rollout), "engine": "hf"})}), policy, tok, OneProcess())
+    assert not hf.merges() and hf.sampler(0).samples_on(policy)

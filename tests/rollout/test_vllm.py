@@ -5,6 +5,8 @@ builds .venv-vllm with the CPU build and runs this file there).
   and including EOS is compared too);
 * after the policy's weights move and are synced in place, vLLM's sampling log-probs of a sampled
   batch equal the trainer's recomputation (gspo.core.logprobs) to 1e-5 in float32;
+* a LoRA policy synced as its merged weights: vLLM's log-probs equal the trainer's (through
+  peft's adapters) to 1e-5 too;
 * sampling is reproducible for a seed (and another seed samples differently).
 
 vLLM sets up its parallel state once per process, for the first model's architecture: a MoE
@@ -88,6 +90,31 @@ def test_logprobs_equal_the_trainers_after_a_weight_sync(dense):
     engine.update_weights(model.state_dict(), None)
     synced = trainer_gap(model, tok, engine.generate(ids_of(tok), G, params, seed=7), 0.8)
     assert synced < 1e-5, synced
+
+
+def test_a_lora_policys_merged_weights_give_the_trainers_logprobs(dense):
+    """A LoRA policy (adapters with B != 0 over a copy of the engine's model) synced as its merged
+    weights (engines.weights.merged_adapters: W + B·A·alpha/r under the base's names): vLLM's
+    log-probs equal the trainer's forward through peft's adapters to 1e-5, and not the base's."""
+    import copy
+    from gspo.config import LoRAConfig
+    from gspo.rollout.engines.weights import merged_adapters
+    from gspo.training.lora import attach
+    model, tok, engine = dense
+    policy = attach(copy.deepcopy(model), LoRAConfig(r=4), seed=0, base="tiny-dense").eval()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(2)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    try:
+        engine.update_weights(merged_adapters(policy), None)
+        params = SamplingParams(max_new_tokens=NEW, temperature=0.8)
+        samples = engine.generate(ids_of(tok), G, params, seed=9)
+        assert trainer_gap(policy, tok, samples, 0.8) < 1e-5
+        assert trainer_gap(model, tok, samples, 0.8) > 1e-3
+    finally:
+        engine.update_weights(model.state_dict(), None)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

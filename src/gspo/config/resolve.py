@@ -151,8 +151,6 @@ def engine(out: Resolved, env: Environment) -> None:
     refused = [
         (c.moe.routing_replay == "rollout",
          "moe.routing_replay=rollout: the engine does not return the experts it routed to"),
-        (c.model.lora is not None,
-         "model.lora: the weight sync sends whole weights, not adapters (merging is not built)"),
         (env.world_size % c.rollout.engine_tp,
          f"rollout.engine_tp={c.rollout.engine_tp} with torchrun's {env.world_size} processes "
          f"(the engines' tensor-parallel groups must divide them)"),
@@ -270,7 +268,6 @@ def placement(out: Resolved, env: Environment) -> None:
         (env.world_size > 1 and c.dist.strategy == "fsdp",
          "torchrun with dist.strategy=fsdp (rank 0 sends the generators its replica: ddp; a "
          "gather of the shards to rank 0 is not built)"),
-        (c.model.lora is not None, "model.lora (the weight sync sends whole weights, not adapters)"),
         (c.moe.routing_replay == "rollout",
          "moe.routing_replay=rollout (the generators do not return the experts they routed to)"),
         (c.rollout.async_ and c.rollout.async_worker == "process"

@@ -1,6 +1,9 @@
 """The rollout engine's life in a run: built from the policy after the cold start, handed the
 policy's weights before every generation, put to sleep during the update, closed at the end; and
-the engine evaluation samples through (``EngineHost``).
+the engine evaluation samples through (``EngineHost``). A LoRA policy reaches an engine that
+samples whole weights only (``Capabilities.adapters`` False: vllm, generators on Ray) as its base
+model with the adapters merged into the weights (``engines.weights.merged_adapters``), built from
+and synced with those; one that samples adapters (hf) gets the policy as it is.
 
 It owns no sampling logic (``gspo.rollout.engines``) and no batch (``gspo.rollout.collect``):
 only which engine exists, with which weights, when.
@@ -11,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, replace
-from typing import ContextManager
+from typing import ContextManager, Mapping
 
 import torch
 
 from gspo.models.presets import DTYPES
 from gspo.rollout import engines
 from gspo.rollout.engines import ray_cluster, ray_generators
+from gspo.rollout.engines.weights import adapted, architecture, merged_adapters
 from gspo.rollout.shares import Shards
 
 
@@ -51,24 +55,44 @@ class EngineHost:
                 self.engine.wake_up()
             if not self.engine.samples_on(self.model):   # (hf on the policy: its own weights)
                 t0 = time.perf_counter()
-                self.engine.update_weights(self.shards.weights(self.model), version)
+                self.engine.update_weights(self.weights(), version)
                 self.sync_s += time.perf_counter() - t0
         self.engine.version = version
         return self.engine
 
     def build(self) -> engines.Engine:
-        """The rollout.engine from the policy: in this process, or generators on Ray."""
+        """The rollout.engine from the policy (a LoRA policy's merged base, ``merges``): in this
+        process, or generators on Ray."""
         r = self.cfg.rollout
+        model = architecture(self.model) if self.merges() else self.model
         settings = {"dtype": None if r.dtype == "model" else DTYPES[r.dtype],
                     "seed": self.cfg.seed, "enable_sleep_mode": r.engine_sleep,
                     "share_prompts": self.share_prompts, "quantize": r.quantize,
-                    "weights": self.shards.weights(self.model), "tensor_parallel": r.engine_tp}
+                    "weights": self.weights(), "tensor_parallel": r.engine_tp}
         options = engines.options_for(r.engine, settings)
         if r.placement == "ray":          # generators of their own (engines.ray_generators)
             spec = ray_cluster.RaySpec.of(r, self.cfg.run.threads)
-            return ray_generators.build(r.engine, self.model, self.tokenizer, spec,
+            options["weights"] = settings["weights"]
+            return ray_generators.build(r.engine, model, self.tokenizer, spec,
                                         ranks=self.shards, **options)
-        return engines.build(r.engine, self.model, self.tokenizer, **options)
+        return engines.build(r.engine, model, self.tokenizer, **options)
+
+    def capabilities(self) -> engines.Capabilities:
+        """The rollout engine's capabilities as this run places it (generators on Ray: their own)."""
+        r = self.cfg.rollout
+        return (ray_generators.on_generators(r.engine) if r.placement == "ray"
+                else engines.capabilities(r.engine))
+
+    def merges(self) -> bool:
+        """Whether the engine gets the policy's LoRA adapters merged into whole weights: a LoRA
+        policy, and an engine that samples whole weights only (``Capabilities.adapters``)."""
+        return adapted(self.model) and not self.capabilities().adapters
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The policy's weights as the engine takes them: its own (``Shards.weights``), or a LoRA
+        policy's merged under its base's names (``merges``), computed as each is read."""
+        own = self.shards.weights(self.model)
+        return merged_adapters(self.model, own) if self.merges() else own
 
     def for_worker(self, model: torch.nn.Module) -> "EngineHost":
         """The host of a thread worker of rollout.async sampling from ``model`` (its copy of the

@@ -48,7 +48,11 @@ class Capabilities:
     side syncs it to its own weights first, under the worker's lock); False: the worker builds its own."""
     own_kernels: bool = False
     """Samples with kernels of its own from its own copy of the weights: no expert routing returned,
-    whole weights only (no LoRA adapters), rollout.engine_tp applies, evaluation samples through it."""
+    rollout.engine_tp applies, evaluation samples through it."""
+    adapters: bool = False
+    """Samples a LoRA policy with its adapters as peft applies them (on the policy, or a copy of it);
+    False: whole weights only, so a LoRA policy reaches it as its base with the adapters merged
+    into the weights (W + B·A·scale, the base's names: gspo.rollout.engine_host)."""
     seeds_per_prompt: bool = False
     """``generate(seed=s)`` seeds prompt p with s + p, independently of the others, so a batch split
     over calls (ranks) with seeds offset by each share's first index is the one-call batch."""

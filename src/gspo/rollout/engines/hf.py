@@ -22,7 +22,7 @@ class HFEngine(Engine):
     sleep mode (the policy's memory is the trainer's): it takes neither option.
     ``share_prompts=False``: every forward sees all N rows (MoE routing captured at generation)."""
 
-    capabilities = Capabilities(trainer_logprobs=True)
+    capabilities = Capabilities(trainer_logprobs=True, adapters=True)
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  dtype: torch.dtype | None = None, share_prompts: bool = True,

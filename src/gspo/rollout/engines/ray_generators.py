@@ -139,16 +139,18 @@ class Handle:
 def on_generators(name: str) -> Capabilities:
     """Engine ``name``'s capabilities as generators on Ray: one set serves the trainer and a
     thread worker (shared); in processes of their own, they join no process group of the
-    trainer's and their log-probs are never the trainer's own computation."""
+    trainer's, their log-probs are never the trainer's own computation, and they are built from
+    the architecture and sent whole weights (a LoRA policy's merged: no adapters)."""
     return dataclasses.replace(capabilities(name), shared=True, joins_process_group=False,
-                               trainer_logprobs=False)
+                               trainer_logprobs=False, adapters=False)
 
 
 class RayEngine(Engine):
     """The generators as one engine (module docstring). Shared: a thread worker of
     rollout.async samples through it (one set of generators per run)."""
 
-    def __init__(self, name: str, model, tokenizer, spec: RaySpec, **options):
+    def __init__(self, name: str, model, tokenizer, spec: RaySpec,
+                 weights: Mapping[str, torch.Tensor] | None = None, **options):
         import ray
         self.ray, self.spec, self.name = ray, spec, name
         check(name, getattr(model.config, "model_type", None))
@@ -156,8 +158,9 @@ class RayEngine(Engine):
         self.pad_id = tokenizer.pad_token_id
         self.cluster, self.watch, self.auth = None, None, None
         self.connect()
-        self.weights: Mapping[str, torch.Tensor] = model.state_dict()
-        """The weights a replaced generator is sent: those of the last ``update_weights``."""
+        self.weights: Mapping[str, torch.Tensor] = model.state_dict() if weights is None else weights
+        """The weights a replaced generator is sent: those of the last ``update_weights`` (first:
+        ``weights``, or the model's own; their names and shapes lay out the buckets)."""
         self.layout, self.tied = buckets(self.weights), aliases(self.weights)
         self.make = ray.remote(Generator).options(num_cpus=spec.cpus, num_gpus=spec.gpus)
         self.build_args = (name, model.config, next(model.parameters()).dtype, tokenizer,
@@ -364,13 +367,13 @@ class RankZero(Engine):
             self.inner = None
 
 
-def build(name: str, model, tokenizer, spec: RaySpec, ranks=None, **options) -> Engine:
-    """Generators of engine ``name`` on Ray for ``model`` (``options``: the engine's own, but
-    initial ``weights``: a generator gets its weights by the first sync, not through Ray).
-    ``ranks`` (gspo.training.collectives.Ranks) of a torchrun trainer: ``RankZero`` over them."""
-    options.pop("weights", None)
+def build(name: str, model, tokenizer, spec: RaySpec, ranks=None, weights=None, **options) -> Engine:
+    """Generators of engine ``name`` on Ray for ``model`` (``options``: the engine's own; the
+    initial ``weights``, default the model's own, go by the first sync, not through Ray: e.g. a
+    LoRA policy's merged into its base, ``model``). ``ranks``
+    (gspo.training.collectives.Ranks) of a torchrun trainer: ``RankZero`` over them."""
     if ranks is None or not ranks.enabled:
-        return RayEngine(name, model, tokenizer, spec, **options)
+        return RayEngine(name, model, tokenizer, spec, weights, **options)
     built: list[RayEngine] = []
-    ranks.on_main(lambda: built.append(RayEngine(name, model, tokenizer, spec, **options)))
+    ranks.on_main(lambda: built.append(RayEngine(name, model, tokenizer, spec, weights, **options)))
     return RankZero(name, built[0] if built else None, ranks.on_main)

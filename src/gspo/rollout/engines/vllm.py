@@ -86,7 +86,8 @@ class VLLMEngine(Engine):
     ``enable_sleep_mode`` go to vLLM on a GPU; ``kv_cache_gib``: the KV cache on a CPU (vLLM's
     default, 4 GiB and a warm-up pass, is far more than the tiny presets need). ``weights``: the
     weights to load (default: the model's own; a sharded policy hands them gathered one tensor at
-    a time). Under torchrun every rank builds its own engine through vLLM's external launcher
+    a time; a LoRA policy its base's with the adapters merged, ``model`` being the base). Under
+    torchrun every rank builds its own engine through vLLM's external launcher
     (``tensor_parallel``: ranks per engine, consecutive ranks; 1: an engine per rank)."""
 
     capabilities = Capabilities(always_logprobs=True, shared=True, own_kernels=True,
@@ -121,7 +122,8 @@ class VLLMEngine(Engine):
             launch = dict(load_format="dummy", distributed_executor_backend="external_launcher",
                           tensor_parallel_size=tensor_parallel)
         else:
-            save_model(model, tokenizer, self._dir.name)        # once; later syncs stay in memory
+            save_model(model, tokenizer, self._dir.name,        # once; later syncs stay in memory
+                       state_dict=None if weights is None else dict(weights))
             launch = {}
         platform = (dict(gpu_memory_utilization=gpu_memory_utilization,
                          enable_sleep_mode=enable_sleep_mode) if on_gpu

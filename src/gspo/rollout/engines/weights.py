@@ -1,7 +1,9 @@
 """Weights as an engine receives them: the policy's tensors in the checkpoint's layout
-(``policy_weights``), and laid end to end in byte buckets for a transfer to another process
-(``buckets`` / ``pack`` / ``unpack``: the Ray generators' gloo broadcasts; any out-of-process
-engine can ship the same way). Plain tensors in, plain tensors out: no engine, no transport."""
+(``policy_weights``), a LoRA policy's with its adapters merged (``merged_adapters``: what an
+engine that samples whole weights only is handed), and laid end to end in byte buckets for a
+transfer to another process (``buckets`` / ``pack`` / ``unpack``: the Ray generators' gloo
+broadcasts; any out-of-process engine can ship the same way). Plain tensors in, plain tensors
+out: no engine, no transport."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import dataclasses
 from typing import Iterator, Mapping
 
 import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel
 
 try:  # transformers 5 keeps some weights in fused in-memory layouts (a MoE's experts)
@@ -50,6 +54,87 @@ def policy_weights(model: PreTrainedModel, weights: Mapping[str, torch.Tensor] |
                 yield "lm_head.weight", tensor.detach()
     if tied is None and "lm_head.weight" not in names and head is not None:
         yield "lm_head.weight", head.weight.detach()
+
+
+def adapted(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a peft (LoRA) policy: adapters over a frozen base."""
+    return isinstance(model, PeftModel)
+
+
+def architecture(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model an engine is built from: a LoRA policy's base (its config, its
+    layouts; the adapters reach the engine merged into ``merged_adapters``' weights), else
+    ``model`` itself. No copy: the base's weights are the policy's."""
+    return model.get_base_model() if adapted(model) else model
+
+
+class MergedAdapters(Mapping):
+    """A LoRA policy's weights under its base model's names, each adapted layer's weight merged
+    out of place: W + ΔW, ΔW = B·A·(alpha/r) by peft's own ``get_delta_weight`` (peft's
+    ``merge(safe_merge=True)`` without writing into the layer); the adapter tensors left out.
+    The trainer's weights are never changed. Lazy: each merged tensor is computed when it is read
+    (one at a time for ``policy_weights``, as ``Gathered`` is), from the layer's adapters as they
+    are then and the base weight ``weights`` holds (the policy's ``state_dict``: peft's names).
+    Shapes: W [out, in], A [r, in], B [out, r]."""
+
+    def __init__(self, model: PeftModel, weights: Mapping[str, torch.Tensor] | None = None):
+        self.weights = model.state_dict() if weights is None else weights
+        self.adapter = model.active_adapter
+        base = model.get_base_model()
+        prefix = next(n for n, m in model.named_modules() if m is base) + "."   # base_model.model.
+        layers = {prefix + n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+        for name, layer in layers.items():
+            check_mergeable(name.removeprefix(prefix), layer, self.adapter, base)
+        self.names: dict[str, tuple[str, LoraLayer | None]] = {}
+        """base name -> (the policy's name, the layer whose delta it gets, or None)."""
+        for name in self.weights:
+            owner = next((n for n in layers if name.startswith(n + ".")), None)
+            if owner is None:
+                self.names[name.removeprefix(prefix)] = (name, None)
+                continue
+            leaf = name[len(owner) + 1:]
+            if leaf.startswith("base_layer."):        # else lora_A / lora_B: left out
+                leaf = leaf.removeprefix("base_layer.")
+                delta = layers[owner] if leaf == "weight" else None
+                self.names[f"{owner.removeprefix(prefix)}.{leaf}"] = (name, delta)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        own, layer = self.names[name]
+        w = self.weights[own]
+        if layer is None:
+            return w
+        with torch.no_grad():
+            return w.detach() + layer.get_delta_weight(self.adapter).to(w.dtype)   # [out, in]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def check_mergeable(name: str, layer: LoraLayer, adapter: str, base: torch.nn.Module) -> None:
+    """ValueError (one line) for an adapted layer whose merge is not W + B·A·scale into a weight
+    of its own: a peft variant (DoRA...), an adapter bias, an adapter merged already, or a base
+    weight tied to another (embeddings tied to the output head: one tensor, two meanings)."""
+    if adapter in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(adapter):
+        raise ValueError(f"model.lora: {name}'s adapter is not plain LoRA (a variant or a bias): "
+                         f"its merge is not built")
+    if layer.merged:
+        raise ValueError(f"model.lora: {name}'s adapter is merged into its base already")
+    weight = layer.get_base_layer().weight
+    if sum(p is weight for _, p in base.named_parameters(remove_duplicate=False)) > 1:
+        raise ValueError(f"model.lora: {name} is tied to another weight (embeddings and output "
+                         f"head): merging its adapter would change both")
+
+
+def merged_adapters(model: torch.nn.Module, weights: Mapping[str, torch.Tensor] | None = None
+                    ) -> Mapping[str, torch.Tensor]:
+    """The weights an engine that samples whole weights only takes from ``model``: a LoRA
+    policy's merged (``MergedAdapters``), else ``weights`` (None: the model's own) as they are."""
+    if adapted(model):
+        return MergedAdapters(model, weights)
+    return model.state_dict() if weights is None else weights
 
 
 @dataclasses.dataclass(frozen=True)
