@@ -40,8 +40,8 @@ def test_a_new_engine_is_one_class_and_a_registry_line(monkeypatch):
     with pytest.raises(ConfigError, match="unknown engine 'nope'; valid: hf, remote, vllm"):
         load_config(None, ["rollout.engine=nope"])
     assert load_config(None, ["rollout.engine=remote"]).train.rollout_correction.mode == "icepop"
-    with pytest.raises(ConfigError, match="rollout.engine=remote cannot serve model.lora"):
-        load_config(None, ["rollout.engine=remote", "model.lora={r: 4}"])
+    assert not engines.capabilities("remote").adapters       # a LoRA policy reaches it merged
+    assert load_config(None, ["rollout.engine=remote", "model.lora={r: 4}"]).model.lora.r == 4
     two = Environment(world_size=2)             # its own process group: a thread worker
     assert load_config(None, ["rollout.engine=remote", "rollout.async=true"],
                        environment=two).rollout.async_worker == "thread"
@@ -92,7 +92,6 @@ def test_vllm_with_async_resolves_ratio_and_correction(overrides, ratio, mode):
     (["rollout.engine=vlm"], "rollout.engine: unknown engine 'vlm'; did you mean 'vllm'?"),
     (["rollout.engine=vllm", "model.preset=tiny-moe", "moe.routing_replay=rollout"],
      "rollout.engine=vllm cannot serve moe.routing_replay=rollout"),
-    (["rollout.engine=vllm", "model.lora={r: 4}"], "rollout.engine=vllm cannot serve model.lora"),
     (["rollout.engine=vllm", "audit.every=5"],
      "train.rollout_correction.mode=tis changes the loss mask"),
 ])

@@ -174,6 +174,9 @@ def test_a_lora_policy_reaches_a_whole_weight_engine_merged_out_of_place():
                        policy.get_base_model().model.embed_tokens.weight)       # not adapted
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())   # not merged in place
     assert architecture(policy) is policy.get_base_model()
+    # computed as read, the merged tensors are fresh each time: only the tied head is an alias
+    # (a freed tensor's address, reused by the next, once made them aliases of each other)
+    assert engines.weights.aliases(merged) == {"lm_head.weight": "model.embed_tokens.weight"}
     plain.load_state_dict(dict(merged))
     ids = torch.tensor([tok("S 4 7 3: 14")["input_ids"], tok("S 1 2 9: 12")["input_ids"]])   # [2, L]
     with torch.no_grad():

@@ -108,6 +108,36 @@ def test_staleness_zero_on_ray_is_the_colocated_run(make_cfg, reward_module, kep
 
 
 @needs_ray
+def test_lora_on_ray_samples_as_the_colocated_lora_run(make_cfg, reward_module):
+    """model.lora with hf generators on Ray, which sample whole weights only: they are built from
+    the policy's base and sent its adapters merged into the weights before every step
+    (gspo.rollout.engine_host), so they sample what the colocated run samples through peft's
+    adapters: every reward and response metric of every step equal, the generators' weights
+    the final adapters merged. (Other metrics differ by rounding: the colocated sampler's
+    log-probs come from peft's forward.)"""
+    from gspo.rollout.engines.weights import merged_adapters
+    lora = "model.lora={r: 4, alpha: 8}"
+    colocated = _cfg(make_cfg, reward_module, lora, run="colocated")
+    Trainer(colocated, log=lambda m: None).run()
+    cfg = _cfg(make_cfg, reward_module, lora, "rollout.placement=ray", run="ray")
+    trainer = Trainer(cfg, log=lambda m: None)
+    try:
+        trainer.train()
+        engine = trainer.collector.engine
+        engine.update_weights(trainer.collector.host.weights(), None)
+        got = engine.ray.get(engine.generators[0].actor.weights.remote())
+        assert_bit_equal(got, dict(merged_adapters(trainer.model)))
+    finally:
+        trainer.collector.close()
+    a, b = read_metrics(colocated.run.dir), read_metrics(cfg.run.dir)
+    sampled = lambda rows: [{k: v for k, v in r.items() if k.startswith(("reward/", "response/"))}  # noqa: E731
+                            for r in rows]
+    assert [r["step"] for r in b] == [0, 1, 2, 3] and all(r["ray/sync_mb"] > 0 for r in b[1:])
+    assert sampled(a) == sampled(b)
+    assert any(r["reward/std"] > 0 for r in a[1:])
+
+
+@needs_ray
 def test_staleness_one_on_ray_is_the_colocated_asynchronous_run(make_cfg, reward_module):
     """s = 1: the bounded-staleness machinery of rollout.async unchanged (the thread worker's
     π_prox and correction), its sampler the generator: the colocated thread worker's run."""
@@ -268,7 +298,6 @@ def test_the_cli_refuses_before_training_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (("model.lora={r: 4}",), "model.lora"),
     (("rollout.async=true", "rollout.async_worker=process"), "rollout.async_worker=process"),
 ])
 def test_what_ray_cannot_serve_is_refused(tmp_path, overrides, message):

@@ -98,3 +98,39 @@ def test_a_killed_generator_is_replaced_and_its_prompts_reissued(two):
     assert engine.metrics()["ray/generator_restarts"] == 1
     assert engine.pids()[1] != dead
     assert_bit_equal(generator_weights(engine, 1), model.state_dict())
+
+
+def test_a_lora_policys_merged_weights_reach_the_generators(two):
+    """A LoRA policy on Ray (what EngineHost hands generators, which sample whole weights only):
+    its adapters merged into its base's weights (engines.weights.merged_adapters), sent in the
+    buckets laid out for the base's names; every generator holds them bit for bit and samples
+    with the trainer's log-probs (through peft's adapters) to 1e-5."""
+    import copy
+    from gspo.config import LoRAConfig
+    from gspo.core.logprobs import response_logprobs
+    from gspo.rollout.engines.weights import merged_adapters
+    from gspo.rollout.generate import left_pad, rollout_batch
+    from gspo.tasks import Example
+    from gspo.training.lora import attach
+    engine, model, tokenizer = two
+    policy = attach(copy.deepcopy(model), LoRAConfig(r=4), seed=0, base="tiny-dense").eval()
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    merged = dict(merged_adapters(policy))
+    try:
+        engine.update_weights(merged, None)
+        for j in range(2):
+            assert_bit_equal(generator_weights(engine, j), merged)
+        ids = prompts(tokenizer)
+        got = engine.generate(ids, 4, PARAMS, seed=3, with_logprobs=True)
+        pad, mask = left_pad(ids, tokenizer.pad_token_id)
+        batch = rollout_batch(tokenizer, pad, mask, got, [Example("", "")] * len(ids), 4)
+        with torch.no_grad():
+            trainer = response_logprobs(policy, batch.input_ids, batch.attention_mask,
+                                        batch.response_mask, with_entropy=False).logp   # [N, T]
+        m = batch.response_mask > 0
+        assert (trainer - got.logp).abs()[m].max() < 1e-5
+    finally:
+        engine.update_weights(model.state_dict(), None)

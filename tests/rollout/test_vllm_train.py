@@ -9,6 +9,9 @@ TOL, and after training the engine's samples are scored by the trained policy to
 cold-start policy is off by more (the steps moved the log-probs beyond the tolerance, so a
 missed sync would fail the check).
 
+With model.lora the engine samples the policy's base with the adapters merged into its weights,
+synced before every step: its log-probs are the trainer's (through peft's adapters) to TOL.
+
 Stopped after step 1 and resumed, such a run repeats the uninterrupted one exactly (time/* aside).
 
 Under rollout.async: s = 0 is the synchronous vllm run exactly; at s = 1 the process worker (its
@@ -86,6 +89,38 @@ def test_a_short_vllm_run_samples_synced_weights(tmp_path, monkeypatch, sft_cach
         cold = load_model(trainer.init_info["checkpoint"])[0]   # the weights the engine was built from
         before = (batch.rollout_logp - score(cold, batch, cfg.rollout.temperature)).abs()[m]
         assert before.max().item() > 1e-3, before.max().item()
+    finally:
+        trainer.collector.close()
+
+
+def test_a_lora_vllm_run_samples_the_merged_adapters(tmp_path, monkeypatch, sft_cache):
+    """model.lora with vllm: the engine is built from the LoRA policy's base with the adapters
+    merged into its weights (gspo.rollout.engine_host) and synced so before every step: on every
+    step its log-probs equal the trainer's (peft's adapters) to TOL; after training, its samples
+    are scored by the trained LoRA policy to TOL, by the base with the adapters off beyond it (the
+    adapter steps reached the engine), and only the adapters trained."""
+    from gspo.training import lora
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = vllm_config(tmp_path / "run", sft_cache, "model.lora={r: 8, alpha: 16}")
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        steps = [r for r in read_metrics(tmp_path / "run") if "mismatch/kl" in r]
+        assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+        assert all(r["mismatch/token_abs_max"] < TOL for r in steps), steps
+        assert any(r["reward/std"] > 0 for r in steps)
+        assert lora.is_lora(trainer.model)
+        engine = trainer.collector.engine
+        assert isinstance(engine, engines.VLLMEngine)
+        batch = engines.generate_batch(engine, trainer.tokenizer, trainer.train_set[:8],
+                                       trainer.collector.sampling, group_size=4, seed=123,
+                                       with_logprobs=True)
+        m = batch.response_mask > 0
+        trained = (batch.rollout_logp - score(trainer.model, batch, cfg.rollout.temperature)).abs()[m]
+        assert trained.max().item() < TOL, trained.max().item()
+        with lora.reference(trainer.model):                     # the base: adapters off
+            base = (batch.rollout_logp - score(trainer.model, batch, cfg.rollout.temperature)).abs()[m]
+        assert base.max().item() > 1e-3, base.max().item()
     finally:
         trainer.collector.close()
 

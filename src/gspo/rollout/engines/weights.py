@@ -149,9 +149,12 @@ class Entry:
 
 def aliases(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """name -> the earlier name of the same tensor (tied embeddings: ``lm_head.weight`` is
-    ``model.embed_tokens.weight``): sent once, set under both names."""
-    seen, out = {}, {}
+    ``model.embed_tokens.weight``): sent once, set under both names. Every tensor read is held
+    until the end: a mapping that computes each as it is read (``MergedAdapters``) would free it,
+    and the next could get its address."""
+    seen, out, held = {}, {}, []
     for name, t in weights.items():
+        held.append(t)
         key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if key in seen:
             out[name] = seen[key]
