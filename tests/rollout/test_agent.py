@@ -322,3 +322,16 @@ def test_qwen3s_template_as_shipped_an_openai_agent_with_tools_gets_one_row(qwen
             assert after == prompt + sampled + appended
             assert qwen3.decode(appended) == (f"\n<|im_start|>user\n<tool_response>\n{tool['content']}\n"
                                               "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_agent_params_are_keyword_arguments_of_every_call(tok):
+    from gspo.rollout.episodes.agent import agent_function
+
+    def agent(base_url, api_key, example, *, bonus):
+        return add_agent(base_url, api_key, example) + bonus
+
+    _, plain = agent_batch(add_agent, tok, Scripted(tok), examples())
+    _, bonus = agent_batch(agent_function(agent, {"bonus": 100}), tok, Scripted(tok), examples())
+    assert [r.reward for r in bonus.records] == [r.reward + 100 for r in plain.records]
+    with pytest.raises(ValueError, match="^agent.fn=agent: unexpected argument\\(s\\) 'bonnus'; valid arguments: bonus$"):
+        agent_function(agent, {"bonnus": 1})

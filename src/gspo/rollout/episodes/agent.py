@@ -55,10 +55,12 @@ at set-up that returns the agent ``fn(base_url, api_key, example)``."""
 
 def check_agent(spec, params: dict) -> Callable:
     """The function of ``module:function`` (or ``spec`` when callable), or the factory of a built-in,
-    checked to take ``params``; ValueError (one line) when it does not import or bind."""
+    checked to take ``params`` (when there are any); ValueError (one line) when it does not import
+    or bind."""
     if callable(spec) or ":" in spec:
         fn = spec if callable(spec) else load_function(spec)
-        call_kwargs(fn, params, what=f"agent.fn={getattr(fn, '__name__', spec)}", args=(None, None, None))
+        if params:
+            call_kwargs(fn, params, what=f"agent.fn={getattr(fn, '__name__', spec)}", args=(None, None, None))
         return fn
     factory = AGENTS.get(spec)
     call_kwargs(factory, params, what=f"agent.fn={spec}")
