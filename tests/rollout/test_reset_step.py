@@ -78,6 +78,7 @@ def test_a_gym_game_opens_the_row_and_its_step_rewards_sum_to_the_row_reward(tok
     assert environment_says(batch.records[0]) == ["higher", "higher"]
     assert [r.end for r in batch.records] == ["done"] * 4
     assert engine.calls[0] == (2, 2, 7)                         # turn 1: the G rows share their prompt
+    assert [(ex.prompt, ex.data) for ex in batch.examples] == [(PROMPT, {"seed": 2})] * 2 + [(PROMPT, {"seed": 3})] * 2
     observation = tok("higher", add_special_tokens=False)["input_ids"]
     assert batch.response_mask[0].tolist()[2:2 + len(observation)] == [0.0] * len(observation)
     assert (batch.rollout_logp[batch.response_mask == 0] == 0).all()

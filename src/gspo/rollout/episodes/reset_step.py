@@ -10,7 +10,7 @@ OpenEnv) plays every trajectory, the policy's turns its actions, its own reward 
 Each row builds its environment (``make(**kwargs)``) and resets it with the example's seed (its
 ``seed`` column, else a stable hash of its prompt), so the G rows of a prompt start in the same
 state. The reset's observation is the row's prompt (one user message under ``task.chat``, else
-the text as is): the game speaks first, which is why this is an episode over ``turn_loop`` and
+the text as is; the batch's examples carry it as their prompt): the game speaks first, which is why this is an episode over ``turn_loop`` and
 not an ``Environment`` of the tool loop, whose prompts are the task's. Each closed turn is one
 ``step(action)``; the observation it answers is appended (a user message under ``task.chat``),
 until the environment says done. The protocols (``PROTOCOLS``):
@@ -256,20 +256,21 @@ class ResetStep:
             return Failed(guard.failed(example, "make or reset", str(fault))), None, example.prompt
         return GuardedEnv(guard, env, example), env, env.opening
 
-    def prompt_ids(self, tokenizer, opening: str) -> list[int]:
-        """The opening as the row's prompt: one user message through the chat template under
-        ``task.chat``, else the text as the tokenizer encodes it."""
+    def prompt(self, tokenizer, opening: str) -> tuple[str, list[int]]:
+        """The opening as the row's prompt (text, ids): one user message through the chat template
+        under ``task.chat``, else the text as the tokenizer encodes it."""
         if not self.chat:
-            return tokenizer(opening)["input_ids"]
+            return opening, tokenizer(opening)["input_ids"]
         text = tokenizer.apply_chat_template([{"role": "user", "content": opening}], tokenize=False,
                                              add_generation_prompt=True, **self.template_kwargs)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def __call__(self, sampler, tokenizer, examples, params, *, group_size, seed,
                  with_logprobs) -> RolloutBatch:
-        rows_examples = [ex for ex in examples for _ in range(group_size)]
-        started = [self.start(ex, self.guard) for ex in rows_examples]
-        prompts = [self.prompt_ids(tokenizer, opening) for _, _, opening in started]
+        started = [self.start(ex, self.guard) for ex in examples for _ in range(group_size)]
+        texts, prompts = map(list, zip(*(self.prompt(tokenizer, opening) for _, _, opening in started)))
+        rows_examples = [replace(ex, prompt=text) for ex, text in      # the prompt each row was given
+                         zip([ex for ex in examples for _ in range(group_size)], texts)]
         first_params = replace(params, max_new_tokens=min(params.max_new_tokens, self.budgets.max_new_tokens,
                                                           self.budgets.max_total_tokens))
         shared = all(prompts[i] == prompts[i - i % group_size] for i in range(len(prompts)))
