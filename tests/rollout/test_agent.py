@@ -139,6 +139,8 @@ def test_token_in_route_continues_by_ids(tok):
         more = prompt + first["choices"][0]["token_ids"] + tok("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
         second = post(f"{root}/inference/v1/generate", api_key, {"token_ids": more, "sampling_params": {"temperature": 0.3}})
         assert second["prompt_token_ids"] == more
+        choice = second["choices"][0]                   # vLLM's generate route: tokens as their ids
+        assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{i}" for i in choice["token_ids"]]
         return float(len(second["choices"][0]["logprobs"]["content"]))
 
     episode, batch = agent_batch(agent, tok, Scripted(tok), examples(1))

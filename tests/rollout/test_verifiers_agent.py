@@ -152,3 +152,32 @@ def test_a_real_verifiers_tool_env_gives_the_batch_of_the_hand_written_agent(tok
     assert torch.equal(got.response_mask, want.response_mask)
     assert [r.reward for r in got.records] == [r.reward for r in want.records]
     assert episode.metrics["agent/errors"] == 0 and episode.metrics["multiturn/tool_calls_mean"] > 0
+
+
+def test_the_token_route_serves_verifiers_v1s_token_client(tok):
+    """Not an adapter of the v1 API: its training client's call (``renderers.client.generate``,
+    as ``verifiers.v1.clients.train.TrainClient`` makes it) parses the endpoint's token route, and
+    a second call that extends the first's ids continues its row. ``max_prompt_len`` is given: its
+    lookup holds a module-wide asyncio lock that an episode's own event loop cannot share."""
+    import asyncio
+    pytest.importorskip("renderers")
+    from renderers.base import create_renderer
+    from renderers.client import generate
+    from renderers.configs import DefaultRendererConfig
+    renderer = create_renderer(tok, DefaultRendererConfig())
+    turn = "\n<|im_start|>user\nand 2 more ?<|im_end|>\n<|im_start|>assistant\n"
+
+    async def run(base_url, api_key, example):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        ask = dict(client=client, renderer=renderer, model="policy", max_prompt_len=4096)
+        first = await generate(messages=[{"role": "user", "content": example.data["question"]}], **ask)
+        ids = first["prompt_ids"] + first["completion_ids"] + tok(turn, add_special_tokens=False)["input_ids"]
+        second = await generate(messages=[], prompt_ids=ids, **ask)
+        await client.close()
+        assert len(first["completion_logprobs"]) == len(first["completion_ids"])
+        return float(len(second["completion_ids"]))
+
+    episode, batch = agent_batch(lambda *args: asyncio.run(run(*args)), tok, Scripted(tok), examples(1))
+    m = episode.metrics
+    assert m["agent/rows_per_episode"] == 1 and m["agent/calls_mean"] == 2 and m["agent/errors"] == 0
+    assert m["agent/overridden_sampling"] == 0          # its stop_token_ids, logprobs=1: nothing overridden
