@@ -70,8 +70,20 @@ def test_a_verifiers_environment_drives_the_endpoint_its_reward_the_rows(tok, fa
     assert len(envs) == 1                                       # loaded once, at set-up
     assert [r.reward for r in batch.records] == batch.response_mask.sum(1).tolist()
     assert batch.records[0].info["verifiers_metrics"] == {"length": batch.records[0].reward}
-    assert envs[0].inputs[0]["prompt"] == [{"role": "user", "content": examples()[0].data["question"]}]
+    asked = sorted(tuple(m["content"] for m in i["prompt"]) for i in envs[0].inputs)   # episodes run concurrently
+    assert asked == sorted((ex.data["question"],) for ex in examples() for _ in range(2))
     assert episode.metrics["agent/calls_mean"] == 1 and episode.metrics["agent/errors"] == 0
+
+
+def test_the_agent_pickles_as_its_options_and_loads_again(fake_verifiers):
+    """An asynchronous worker process gets the episode pickled: the environment is loaded there."""
+    import pickle
+    loaded = []
+    fake_verifiers.envs["fake"] = lambda **args: loaded.append(args) or FakeEnv()
+    agent = agent_function("verifiers", {"env_id": "fake", "env_args": {"level": 2}, "sampling_args": {"max_tokens": 9}})
+    again = pickle.loads(pickle.dumps(agent))
+    assert loaded == [{"level": 2}, {"level": 2}] and again.env is not agent.env
+    assert again.sampling_args == {"max_tokens": 9} and again.timeout_s == agent.timeout_s
 
 
 def test_a_rollout_verifiers_ends_with_an_error_gets_no_reward_counted(tok, fake_verifiers):

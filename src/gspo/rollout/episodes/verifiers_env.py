@@ -46,10 +46,15 @@ def rollout_input(env, example: Example) -> dict:
 
 
 class VerifiersAgent:
-    """``agent(base_url, api_key, example)`` (async): one verifiers rollout, scored by its rubric."""
+    """``agent(base_url, api_key, example)`` (async): one verifiers rollout, scored by its rubric.
+    Pickled as its options: an asynchronous worker process loads the environment again."""
 
-    def __init__(self, env, sampling_args: dict, timeout_s: float):
-        self.env, self.sampling_args, self.timeout_s = env, sampling_args, timeout_s
+    def __init__(self, env, options: tuple):
+        self.env, self.options = env, options
+        self.sampling_args, self.timeout_s = dict(options[2] or {}), options[3]
+
+    def __reduce__(self):
+        return verifiers, self.options
 
     async def __call__(self, base_url: str, api_key: str, example: Example):
         vf, openai = require("verifiers", "agent.fn=verifiers"), require("openai", "agent.fn=verifiers")
@@ -81,4 +86,4 @@ def verifiers(env_id: str, env_args: dict | None = None, sampling_args: dict | N
     except Exception as err:  # noqa: BLE001  the environment's own failure, said in one line
         raise UserError(f"agent.params.env_id={env_id!r}: verifiers.load_environment failed: "
                         f"{type(err).__name__}: {err}".splitlines()[0]) from None
-    return VerifiersAgent(env, dict(sampling_args or {}), timeout_s)
+    return VerifiersAgent(env, (env_id, env_args, sampling_args, timeout_s))
