@@ -136,6 +136,7 @@ def test_a_game_that_raises_hangs_or_cannot_reset_ends_its_row_counted(tok, caps
     assert [r.reward for r in hung.records] == [None, None]
     episode, _, unborn = play(tok, {"make": "game_fakes:BadReset", "protocol": "gym"}, seeds=(3,))
     assert [r.end for r in unborn.records] == ["env_error"] * 2 and episode.metrics["reset_step/unfinished"] == 1
+    assert [ex.prompt for ex in unborn.examples] == ["game 3"] * 2        # no opening: the example's prompt
     err = capsys.readouterr().err
     assert "failed in step (turn 2 '1')" in err and "KeyError: 'board'" in err
     assert "failed in make or reset" in err and "RuntimeError: no board" in err

@@ -248,35 +248,51 @@ class ResetStep:
         pass
 
     def start(self, example: Example, guard: Guard):
-        """(the row's guarded environment, its adapter or None, its opening text): made and reset
-        under ``guard``; one that fails opens with the example's prompt and ends at turn 1."""
+        """(the row's guarded environment, its adapter, its opening text): made and reset under
+        ``guard``; one that fails is (Failed, None, None): its row ends at turn 1."""
         try:
             env = guard.call(ResetStepEnv, example, chat=self.chat, **self.params)
         except RewardFault as fault:
-            return Failed(guard.failed(example, "make or reset", str(fault))), None, example.prompt
+            return Failed(guard.failed(example, "make or reset", str(fault))), None, None
         return GuardedEnv(guard, env, example), env, env.opening
 
-    def prompt(self, tokenizer, opening: str) -> tuple[str, list[int]]:
+    def prompt(self, tokenizer, opening: str | None, example: Example) -> tuple[str, list[int]]:
         """The opening as the row's prompt (text, ids): one user message through the chat template
-        under ``task.chat``, else the text as the tokenizer encodes it."""
-        if not self.chat:
-            return opening, tokenizer(opening)["input_ids"]
+        under ``task.chat``, else the text as the tokenizer encodes it; without one (its
+        environment failed), the example's prompt."""
+        if opening is None or not self.chat:
+            text = example.prompt if opening is None else opening
+            return text, tokenizer(text)["input_ids"]
         text = tokenizer.apply_chat_template([{"role": "user", "content": opening}], tokenize=False,
                                              add_generation_prompt=True, **self.template_kwargs)
         return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def __call__(self, sampler, tokenizer, examples, params, *, group_size, seed,
-                 with_logprobs) -> RolloutBatch:
-        started = [self.start(ex, self.guard) for ex in examples for _ in range(group_size)]
-        texts, prompts = map(list, zip(*(self.prompt(tokenizer, opening) for _, _, opening in started)))
-        rows_examples = [replace(ex, prompt=text) for ex, text in      # the prompt each row was given
-                         zip([ex for ex in examples for _ in range(group_size)], texts)]
+    def first_turns(self, sampler, prompts: list[list[int]], group_size: int, params, seed):
+        """Turn 1 of every row: G samples of each prompt when the G rows of every group share one
+        (a deterministic reset), else one sample of each row's."""
         first_params = replace(params, max_new_tokens=min(params.max_new_tokens, self.budgets.max_new_tokens,
                                                           self.budgets.max_total_tokens))
         shared = all(prompts[i] == prompts[i - i % group_size] for i in range(len(prompts)))
-        first = turns_of(sampler.generate(prompts[::group_size] if shared else prompts,
-                                          group_size if shared else 1, first_params, seed=seed,
-                                          with_logprobs=True))
+        return turns_of(sampler.generate(prompts[::group_size] if shared else prompts,
+                                         group_size if shared else 1, first_params, seed=seed,
+                                         with_logprobs=True))
+
+    def release(self, adapters: list[ResetStepEnv]) -> None:
+        """Close each environment (gym, openenv) under the guard; a failure leaves its row as it is."""
+        for env in adapters:
+            try:
+                self.guard.call(env.close)
+            except RewardFault:
+                pass
+
+    def __call__(self, sampler, tokenizer, examples, params, *, group_size, seed,
+                 with_logprobs) -> RolloutBatch:
+        rows_examples = [ex for ex in examples for _ in range(group_size)]
+        started = [self.start(ex, self.guard) for ex in rows_examples]
+        texts, prompts = map(list, zip(*(self.prompt(tokenizer, opening, ex)
+                                          for (_, _, opening), ex in zip(started, rows_examples))))
+        rows_examples = [replace(ex, prompt=text) for ex, text in zip(rows_examples, texts)]  # as given
+        first = self.first_turns(sampler, prompts, group_size, params, seed)
         later, turn = engine_sampler(sampler, params, seed), [0]
 
         def sample(contexts, room, rows):
@@ -287,12 +303,7 @@ class ResetStep:
         rows = run_episodes(sample, prompts, [env for env, _, _ in started],
                             observer(tokenizer, self.template_kwargs), decode, tokenizer.eos_token_id,
                             self.budgets, encode=encode)
-        for _, env, _ in started:
-            if env is not None:
-                try:
-                    self.guard.call(env.close)
-                except RewardFault:
-                    pass                              # its row is scored already; nothing to release
+        self.release([env for _, env, _ in started if env is not None])
         batch = to_tensors(rows, tokenizer.pad_token_id)
         batch.update(completions=[r.final_turn for r in rows], examples=rows_examples,
                      records=[r.record() for r in rows])
