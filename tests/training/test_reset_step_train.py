@@ -4,6 +4,9 @@ game that cannot reset is one line at set-up."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from gspo.envs.guard import EnvError
@@ -33,3 +36,15 @@ def test_a_game_that_cannot_reset_is_one_line_at_set_up(make_cfg):
     with pytest.raises(EnvError, match="failed in make or reset .*RuntimeError: no board") as err:
         Trainer(cfg, log=lambda m: None)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_a_game_trains_under_the_async_worker(make_cfg, monkeypatch, worker):
+    """rollout.async: the episode (its guard, its params) goes to the worker, a thread or a process
+    of its own that imports the game there."""
+    tests = str(Path(__file__).parents[1])
+    monkeypatch.setenv("PYTHONPATH", f"{tests}:{os.environ.get('PYTHONPATH', '')}")
+    cfg = make_cfg(*GAME, "rollout.async=true", f"rollout.async_worker={worker}", run=worker)
+    Trainer(cfg, log=lambda m: None).run()
+    steps = [r for r in read_metrics(cfg.run.dir) if "reset_step/unfinished" in r]
+    assert len(steps) == 2 and all(r["multiturn/env_errors_mean"] == 0 for r in steps)
