@@ -8,8 +8,9 @@ the recording endpoint, an OpenAI-compatible server backed by the run's engine (
 For every batch the endpoint opens on a free port of 127.0.0.1 with a fresh key, and
 ``fn(base_url, api_key, example)`` (sync or async) runs G times per example, each call in a
 thread of its own with its own ``base_url`` (the episode's identity). It returns the episode's
-reward, or (reward, info). The calls it makes are sampled by the run's engine with the run's
-sampling parameters, batched across episodes (``endpoint.batcher``), and stitched into rows
+reward, or (reward, info); ``agent.params`` are keyword arguments of every call, or the options
+of a built-in agent (``AGENTS``: ``verifiers``, in ``verifiers_env``). The calls it makes are
+sampled by the run's engine with the run's sampling parameters, batched across episodes (``endpoint.batcher``), and stitched into rows
 (``endpoint.recorder``). The batch keeps one row per episode, N = P·G: the row of the episode's
 last call (the whole conversation when the agent only appends); rows left behind by a rewritten
 history are counted (``agent/rows_untrained``; docs/math.md, "Agent episodes"). Its record's
@@ -34,13 +35,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gspo.registry import Registry
 from gspo.rollout.episodes.base import register
 from gspo.rollout.episodes.endpoint.batcher import Batcher
 from gspo.rollout.episodes.endpoint.recorder import Recorder
 from gspo.rollout.episodes.endpoint.server import Endpoint, Session
 from gspo.rollout.episodes.tool_loop import as_batch
 from gspo.rollout.episodes.turn_loop import Budgets, Row, episode_metrics, to_tensors
-from gspo.registry import Registry
 from gspo.rollout.generate import RolloutBatch
 from gspo.tasks.base import call_kwargs
 from gspo.tasks.custom import load_function
