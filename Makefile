@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-vllm bench clean
+.PHONY: install train test test-vllm test-verifiers bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,8 +53,22 @@ test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_moe.py
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_train.py tests/rollout/test_engine_config.py tests/rollout/test_vllm_torchrun.py
 
+# The real-library tests of the verifiers agent and the reset_step episode (skipped elsewhere) in
+# their own venv: verifiers 0.3 (its classic API; ~720 MB with its dependencies) and textarena.
+VF_VENV := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.installed
+
+$(VF_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(VF_VENV)/bin/pip install --quiet -e ".[verifiers]" "textarena==0.7.4" "pytest>=7.4" "pytest-timeout>=2.2"
+	touch $(VF_STAMP)
+
+test-verifiers: $(VF_STAMP)
+	$(VF_VENV)/bin/python -m pytest -q tests/rollout/test_verifiers_agent.py tests/rollout/test_reset_step.py
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/logprob_memory.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) runs .pytest_cache

@@ -9,7 +9,8 @@ from types import ModuleType
 
 from gspo.errors import UserError
 
-EXTRA = {"datasets": "data", "math_verify": "data", "reasoning_gym": "reasoning-gym"}  # module -> the pip extra that installs it
+EXTRA = {"datasets": "data", "math_verify": "data", "reasoning_gym": "reasoning-gym", "verifiers": "verifiers",
+         "openai": "verifiers"}  # module -> the pip extra that installs it
 PACKAGE = {"math_verify": "math-verify", "reasoning_gym": "reasoning-gym"}
 
 

@@ -139,6 +139,8 @@ def test_token_in_route_continues_by_ids(tok):
         more = prompt + first["choices"][0]["token_ids"] + tok("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
         second = post(f"{root}/inference/v1/generate", api_key, {"token_ids": more, "sampling_params": {"temperature": 0.3}})
         assert second["prompt_token_ids"] == more
+        choice = second["choices"][0]                   # vLLM's generate route: tokens as their ids
+        assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{i}" for i in choice["token_ids"]]
         return float(len(second["choices"][0]["logprobs"]["content"]))
 
     episode, batch = agent_batch(agent, tok, Scripted(tok), examples(1))
@@ -322,3 +324,16 @@ def test_qwen3s_template_as_shipped_an_openai_agent_with_tools_gets_one_row(qwen
             assert after == prompt + sampled + appended
             assert qwen3.decode(appended) == (f"\n<|im_start|>user\n<tool_response>\n{tool['content']}\n"
                                               "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_agent_params_are_keyword_arguments_of_every_call(tok):
+    from gspo.rollout.episodes.agent import agent_function
+
+    def agent(base_url, api_key, example, *, bonus):
+        return add_agent(base_url, api_key, example) + bonus
+
+    _, plain = agent_batch(add_agent, tok, Scripted(tok), examples())
+    _, bonus = agent_batch(agent_function(agent, {"bonus": 100}), tok, Scripted(tok), examples())
+    assert [r.reward for r in bonus.records] == [r.reward + 100 for r in plain.records]
+    with pytest.raises(ValueError, match="^agent.fn=agent: unexpected argument\\(s\\) 'bonnus'; valid arguments: bonus$"):
+        agent_function(agent, {"bonnus": 1})

@@ -25,7 +25,7 @@ def test_single_turn_is_generate_through_the_engine():
 
 
 def test_an_unknown_episode_names_the_valid_ones():
-    with pytest.raises(ValueError, match="unknown episode 'tools'; valid episodes: agent, single_turn, tool_loop"):
+    with pytest.raises(ValueError, match="unknown episode 'tools'; valid episodes: agent, reset_step, single_turn, tool_loop"):
         episodes.build("tools", None)
 
 

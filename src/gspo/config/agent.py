@@ -10,7 +10,9 @@ from gspo.config.base import Section
 
 class AgentConfig(Section):
     fn: str | None = None
-    """With rollout.episode=agent: module:function (sync or async), called G times per prompt as fn(base_url, api_key, example) -> reward or (reward, info)."""
+    """With rollout.episode=agent: module:function (sync or async), called as fn(base_url, api_key, example) -> reward or (reward, info); or verifiers."""
+    params: dict = {}
+    """Keyword arguments of agent.fn's every call, or the options of a built-in agent (verifiers: env_id, env_args, sampling_args)."""
     timeout_s: float = Field(60.0, gt=0)
     """Deadline of one episode, the agent and its scoring: past it the episode is counted (agent/timeouts) and gets no reward."""
     batch_wait_s: float = Field(2.0, gt=0)

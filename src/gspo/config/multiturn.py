@@ -16,7 +16,7 @@ class MultiTurnConfig(Section):
     env: str | None = None
     """Environment of each trajectory: single | tools | guess (gspo.envs) or module:Class; None: single-turn (docs/multiturn.md)."""
     params: dict = {}
-    """Keyword arguments of a module:Class environment."""
+    """Keyword arguments of a module:Class environment; with rollout.episode=reset_step, its make, kwargs and protocol (docs/agents.md)."""
     tools: list[str] = []
     """multiturn.env=tools: the tools, typed Python functions as module:function (docs/multiturn.md)."""
     tools_in_prompt: bool = True

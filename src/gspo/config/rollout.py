@@ -29,7 +29,7 @@ class RolloutConfig(Section):
     quantize: str | None = None
     """Sample with a copy rounded to int8 | int4 | fp8 (gspo.core.quantize.FORMATS); None: no rounding (docs/engines.md)."""
     episode: str | None = None
-    """How prompts become trajectories (gspo.rollout.episodes): single_turn | tool_loop | agent (docs/agents.md); None: tool_loop with multiturn.env, else single_turn."""
+    """How prompts become trajectories: single_turn | tool_loop | agent | reset_step (docs/agents.md); None: tool_loop with multiturn.env, else single_turn."""
     engine: str = "hf"
     """Generation engine (gspo.rollout.engines): hf (transformers generate) | vllm (optional package); docs/engines.md."""
     engine_tp: int = Field(1, ge=1)

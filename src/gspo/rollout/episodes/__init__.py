@@ -5,7 +5,10 @@
 * ``tool_loop``: the multi-turn episode in an environment per row (``multiturn.env``), over the
   token-level loop of ``turn_loop``;
 * ``agent``: an agent program of your own (``agent.fn``) through the recording endpoint
-  (``endpoint``), an OpenAI-compatible server backed by the run's engine.
+  (``endpoint``), an OpenAI-compatible server backed by the run's engine, or a built-in one
+  (``verifiers_env``: an environment of the verifiers library);
+* ``reset_step``: an environment of another library (textarena, GEM / gymnasium, OpenEnv) that
+  opens each trajectory and answers its turns, over ``turn_loop``.
 
 The run's episode is ``rollout.episode`` (derived from ``multiturn.env`` when unset); the trainer
 and the cold start build it here. docs/architecture.md, "Where to add an episode".
@@ -14,9 +17,10 @@ and the cold start build it here. docs/architecture.md, "Where to add an episode
 from gspo.rollout.episodes.base import EPISODES, Episode, build, gives_rewards, names, refusal, register
 
 # Built-in episodes register themselves on import.
-from gspo.rollout.episodes import single_turn, tool_loop, agent  # noqa: E402,F401  isort: skip
+from gspo.rollout.episodes import single_turn, tool_loop, agent, reset_step, verifiers_env  # noqa: E402,F401  isort: skip
 from gspo.rollout.episodes.single_turn import SingleTurn  # noqa: E402
 from gspo.rollout.episodes.tool_loop import ToolLoop  # noqa: E402
 from gspo.rollout.episodes.agent import Agent  # noqa: E402
+from gspo.rollout.episodes.reset_step import ResetStep  # noqa: E402
 
-__all__ = ["EPISODES", "Agent", "Episode", "SingleTurn", "ToolLoop", "build", "gives_rewards", "names", "refusal", "register"]
+__all__ = ["EPISODES", "Agent", "Episode", "ResetStep", "SingleTurn", "ToolLoop", "build", "gives_rewards", "names", "refusal", "register"]

@@ -8,8 +8,9 @@ the recording endpoint, an OpenAI-compatible server backed by the run's engine (
 For every batch the endpoint opens on a free port of 127.0.0.1 with a fresh key, and
 ``fn(base_url, api_key, example)`` (sync or async) runs G times per example, each call in a
 thread of its own with its own ``base_url`` (the episode's identity). It returns the episode's
-reward, or (reward, info). The calls it makes are sampled by the run's engine with the run's
-sampling parameters, batched across episodes (``endpoint.batcher``), and stitched into rows
+reward, or (reward, info); ``agent.params`` are keyword arguments of every call, or the options
+of a built-in agent (``AGENTS``: ``verifiers``, in ``verifiers_env``). The calls it makes are
+sampled by the run's engine with the run's sampling parameters, batched across episodes (``endpoint.batcher``), and stitched into rows
 (``endpoint.recorder``). The batch keeps one row per episode, N = P·G: the row of the episode's
 last call (the whole conversation when the agent only appends); rows left behind by a rewritten
 history are counted (``agent/rows_untrained``; docs/math.md, "Agent episodes"). Its record's
@@ -25,6 +26,7 @@ still running past its deadline is left to finish in its daemon thread, its call
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 import sys
@@ -33,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gspo.registry import Registry
 from gspo.rollout.episodes.base import register
 from gspo.rollout.episodes.endpoint.batcher import Batcher
 from gspo.rollout.episodes.endpoint.recorder import Recorder
@@ -40,10 +43,38 @@ from gspo.rollout.episodes.endpoint.server import Endpoint, Session
 from gspo.rollout.episodes.tool_loop import as_batch
 from gspo.rollout.episodes.turn_loop import Budgets, Row, episode_metrics, to_tensors
 from gspo.rollout.generate import RolloutBatch
+from gspo.tasks.base import call_kwargs
 from gspo.tasks.custom import load_function
 
 MAX_WARNINGS = 3
 """Failed episodes reported on stderr per batch (all are counted)."""
+
+AGENTS: Registry[Callable[..., Callable]] = Registry("built-in agent", valid="built-in agents")
+"""Built-in agents by name (``agent.fn: verifiers``): each a factory called with ``agent.params``
+at set-up that returns the agent ``fn(base_url, api_key, example)``."""
+
+
+def check_agent(spec, params: dict) -> Callable:
+    """The function of ``module:function`` (or ``spec`` when callable), or the factory of a built-in,
+    checked to take ``params`` (when there are any); ValueError (one line) when it does not import
+    or bind."""
+    if callable(spec) or ":" in spec:
+        fn = spec if callable(spec) else load_function(spec)
+        if params:
+            call_kwargs(fn, params, what=f"agent.fn={getattr(fn, '__name__', spec)}", args=(None, None, None))
+        return fn
+    factory = AGENTS.get(spec)
+    call_kwargs(factory, params, what=f"agent.fn={spec}")
+    return factory
+
+
+def agent_function(spec, params: dict) -> Callable:
+    """The agent of ``agent.fn``: ``module:function`` (or a callable) with ``params`` as keyword
+    arguments of every call, or a built-in made with ``params`` now."""
+    fn = check_agent(spec, params)
+    if callable(spec) or ":" in spec:
+        return functools.partial(fn, **params) if params else fn
+    return fn(**params)
 
 
 @dataclass
@@ -129,11 +160,12 @@ class Agent:
 
     @classmethod
     def from_config(cls, cfg, task=None) -> "Agent":
-        """agent.fn imported (ValueError, one line), multiturn's budgets, the template's kwargs."""
+        """agent.fn imported or a built-in made with agent.params (ValueError, one line), multiturn's
+        budgets, the template's kwargs."""
         m = cfg.multiturn
         budgets = Budgets(max_turns=m.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
                           max_total_tokens=m.max_total_tokens, max_observation_tokens=m.max_observation_tokens)
-        fn = cfg.agent.fn if callable(cfg.agent.fn) else load_function(cfg.agent.fn)
+        fn = agent_function(cfg.agent.fn, dict(cfg.agent.params))
         return cls(fn, budgets, cfg.agent.timeout_s, cfg.agent.batch_wait_s,
                    template_kwargs=dict(cfg.task.chat_template_kwargs or {}))
 
@@ -141,6 +173,10 @@ class Agent:
     def refuses(cfg) -> str | None:
         if cfg.agent.fn is None:
             return "set agent.fn, the agent as module:function (docs/agents.md)"
+        try:
+            check_agent(cfg.agent.fn, dict(cfg.agent.params))
+        except ValueError as err:
+            return str(err)
         if cfg.multiturn.env is not None:
             return f"the agent is the environment: unset multiturn.env={cfg.multiturn.env}"
         blocked = [(cfg.objective.name == "ppo", "objective.name=ppo (its critic scores every token, "

@@ -212,7 +212,8 @@ class Endpoint:
         return 200, {"request_id": f"gen-{session.batch}-{e}-{len(session.recorder.logs[e].calls)}",
                      "prompt_token_ids": pending.context, "choices": [
                          {"index": 0, "token_ids": ids, "text": text, "finish_reason": "stop" if ended else "length",
-                          "logprobs": {"content": logprob_entries(tok, ids, logp)}}]}, JSON
+                          "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": float(lp)}
+                                                   for i, lp in zip(ids, logp)]}}]}, JSON
 
 
 ROUTES = {("POST", "/v1/chat/completions"): Endpoint.chat,
