@@ -119,7 +119,7 @@ class Trainer:
         samples = SampleWriter(
             cfg.run.samples_every, cfg.run.samples_prompts, self.run_dir, self.tokenizer,
             cfg.rollout.group_size, recorder.objective, recorder.objective_kwargs,
-            transcripts=cfg.multiturn.env is not None, log=self.metrics.log_samples,
+            transcripts=self.episode.multi_turn, log=self.metrics.log_samples,
         ) if self.dist.is_main else None                 # rank 0 writes (its share of the batch)
         self.step = RLStep(cfg=cfg, model=self.model, optimizer=self.optimizer,
                            scheduler=self.scheduler, source=self.rollouts, algorithm=self.algorithm,
