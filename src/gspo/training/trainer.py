@@ -79,7 +79,8 @@ class Trainer:
         with self.dist.main_first():                # rank 0 fills the SFT cache, the others read it
             self.model, self.tokenizer, self.init_info = initial_policy(cfg, self.task, self.log,
                                                                         self.progress, self.episode)
-        if getattr(self.episode, "multi_turn", False) and getattr(self.tokenizer, "chat_template", None):
+        multi_turn = getattr(self.episode, "multi_turn", False)   # absent: one turn (Episode)
+        if multi_turn and getattr(self.tokenizer, "chat_template", None):
             check_template(self.tokenizer, self.tokenizer.eos_token_id,   # refused in one line
                            cfg.task.chat_template_kwargs)
         self.device = next(self.model.parameters()).device
@@ -119,7 +120,7 @@ class Trainer:
         samples = SampleWriter(
             cfg.run.samples_every, cfg.run.samples_prompts, self.run_dir, self.tokenizer,
             cfg.rollout.group_size, recorder.objective, recorder.objective_kwargs,
-            transcripts=self.episode.multi_turn, log=self.metrics.log_samples,
+            transcripts=multi_turn, log=self.metrics.log_samples,
         ) if self.dist.is_main else None                 # rank 0 writes (its share of the batch)
         self.step = RLStep(cfg=cfg, model=self.model, optimizer=self.optimizer,
                            scheduler=self.scheduler, source=self.rollouts, algorithm=self.algorithm,

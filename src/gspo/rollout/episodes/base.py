@@ -27,10 +27,11 @@ class Episode(Protocol):
     """The last batch's episode metrics (multiturn/*; empty for a single turn)."""
     multi_turn: bool
     """Its rows continue after the policy's end-of-turn token with the chat template's ids for
-    new messages, so the trainer refuses, at set-up, a template that rewrites sampled turns."""
+    new messages, so the trainer refuses, at set-up, a template that rewrites sampled turns.
+    A class that leaves it out runs one turn (False)."""
     gives_rewards: bool
     """Its rows' records carry a reward of their own (``EpisodeRecord.reward``: the environment's,
-    the agent's), which ``rewards.sources: [{type: env}]`` scores."""
+    the agent's), which ``rewards.sources: [{type: env}]`` scores. Left out: False."""
 
     def __call__(self, sampler, tokenizer, examples: list[Example], params: SamplingParams, *,
                  group_size: int, seed: int | None, with_logprobs: bool) -> RolloutBatch: ...
