@@ -10,7 +10,8 @@ cold-start policy is off by more (the steps moved the log-probs beyond the toler
 missed sync would fail the check).
 
 With model.lora the engine samples the policy's base with the adapters merged into its weights,
-synced before every step: its log-probs are the trainer's (through peft's adapters) to TOL.
+synced before every step: its log-probs are the trainer's (through peft's adapters) to TOL; under
+rollout.async at s = 0 a thread worker syncing it from its own copy makes the same run.
 
 Stopped after step 1 and resumed, such a run repeats the uninterrupted one exactly (time/* aside).
 
@@ -192,6 +193,23 @@ def test_vllm_with_async_staleness_zero_is_the_synchronous_run(tmp_path, monkeyp
     w_a = load_model(sync / "checkpoints" / final)[0].state_dict()
     w_b = load_model(lock / "checkpoints" / final)[0].state_dict()
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+
+
+def test_a_lora_vllm_run_with_a_thread_worker_at_staleness_zero_is_the_synchronous_run(
+        tmp_path, monkeypatch, sft_cache):
+    """model.lora, rollout.async with s = 0 and a thread worker: the worker syncs the trainer's
+    engine with its own copy's adapters merged (the same EngineHost path), so the run is the
+    synchronous LoRA run, every metric (vLLM's mismatch/* included)."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    lora = "model.lora={r: 8, alpha: 16}"
+    Trainer(vllm_config(tmp_path / "sync", sft_cache, lora)).run()
+    Trainer(vllm_config(tmp_path / "s0", sft_cache, lora, "rollout.async=true",
+                        "rollout.max_staleness=0", "rollout.async_worker=thread")).run()
+    a, b = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "s0")
+    assert all("mismatch/kl" in r for r in b[1:])
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("async/")}  # noqa: E731
+                          for r in _timeless(rows)]
+    assert strip(a) == strip(b)
 
 
 def test_vllm_with_async_staleness_one_process_and_thread_workers_agree(tmp_path, monkeypatch,
