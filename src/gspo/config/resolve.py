@@ -328,6 +328,9 @@ def not_built_together(out: Resolved, env: Environment) -> None:
         raise ValueError("train.max_tokens_per_microbatch does not work with dist.strategy=fsdp "
                          "(ranks would make different numbers of collective backwards) or "
                          "moe.aux_loss_coef > 0 (the router loss is not a sum over rows)")
+    if c.train.pack_rows and c.moe.aux_loss_coef > 0:
+        raise ValueError("train.pack_rows does not work with moe.aux_loss_coef > 0 (the router "
+                         "loss averages over every attended column of the padded rows)")
     if c.model.lora is not None and c.objective.name == "ppo":
         raise ValueError("model.lora is not supported with objective.name=ppo (its critic and "
                          "reference are copies of the whole policy); use a group-relative objective")

@@ -12,11 +12,15 @@ runs through the decoder once and its KV cache is gathered to the rows of its gr
 the decoder skips columns no response token depends on: left-padding columns of every row, response
 columns after the last response token of every row, and the last column (it predicts nothing).
 
-`packed_logprobs` scores one packed row (sequences back to back, positions restarting per
-sequence, attention confined to each): the layout of the trainer-only throughput benchmark.
+With `packed` (`pack_rows`, the trainer's `train.pack_rows`) the rows run instead as packed rows:
+each row's tokens up to its last response token back to back without padding, positions
+restarting per row, attention confined to each row (transformers reads restarting position ids
+with no attention mask as packed sequences: flash-attention varlen for one packed row, a
+block-causal mask under sdpa / eager / flex; `packing_honoured` checks a model does).
+`packed_logprobs` scores one packed row of arbitrary sequences: the layout of the trainer-only
+throughput benchmark.
 
-What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no sequence
-packing inside `response_logprobs` (the RL passes run padded rows), no KL or loss; the decoder body runs unchanged (use the model's own
+What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no KL or loss; the decoder body runs unchanged (use the model's own
 gradient checkpointing for its activations). Head transforms handled: Cohere `logit_scale`,
 Gemma `final_logit_softcapping`; a config with `logits_scaling` (Granite, MiniCPM3, ...) is
 refused rather than silently mis-scored. Parallel wrappers (DDP, FSDP) must be unwrapped by the
@@ -55,7 +59,8 @@ class DecoderLayout:
 
     They covered columns ``start .. stop-1`` of the L input columns (`trim`). With shared prompts
     there were two: the first ``prefix`` of those columns for one row per group, then the others
-    for all N rows, row i's prompt coming from row ``prefix_rows[i]`` of the first; else one.
+    for all N rows, row i's prompt coming from row ``prefix_rows[i]`` of the first; else one
+    (``packed``: over packed rows).
     """
 
     length: int
@@ -63,6 +68,128 @@ class DecoderLayout:
     stop: int
     prefix: int = 0
     prefix_rows: torch.Tensor | None = None  # [N]
+    packed: PackedRows | None = None
+    """The rows ran packed: one forward over [B, S] columns, laid out as [N, L] by `PackedRows`."""
+    tokens: int = 0
+    """Positions the decoder computed, all its forwards (rows × columns)."""
+    needed: torch.Tensor | int = 0
+    """Of those, the positions some row's scored tokens depend on (`row_spans`); the rest is padding."""
+
+
+@dataclass
+class PackedRows:
+    """N padded rows [N, L] as B packed rows of S columns: each row's attended tokens up to its
+    last response token (exclusive: that token predicts nothing) back to back, positions
+    restarting at 0 per row, and after the last row of a packed row a padding tail (a sequence of
+    its own, never scored). transformers reads restarting `position_ids` with no attention mask as
+    packed sequences (`packing_honoured`)."""
+
+    index: torch.Tensor  # [B, S] flat column i·L + c of the padded layout; -1: tail padding
+    position_ids: torch.Tensor  # [B, S]
+    rows: int  # N
+    length: int  # L
+
+    @property
+    def real(self) -> int:
+        """Tokens of the rows (the rest of B·S is tail padding)."""
+        return int((self.index >= 0).sum())
+
+    def gather(self, x: torch.Tensor, fill: torch.Tensor | float = 0) -> torch.Tensor:
+        """[B, S, ...] the packed layout of x [N, L, ...]; ``fill`` at the tail padding."""
+        index = self.index.to(x.device)
+        out = x.flatten(0, 1)[index.clamp(min=0)]  # [B, S, ...]
+        valid = (index >= 0).view(*index.shape, *[1] * (x.dim() - 2))
+        return torch.where(valid, out, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
+
+    def scatter(self, y: torch.Tensor, fill: torch.Tensor | float = 0) -> torch.Tensor:
+        """[N, L, ...] the padded layout of y [B, S, ...]; ``fill`` at the columns not packed."""
+        index = self.index.to(y.device).flatten()  # [B·S]
+        valid = index >= 0
+        out = torch.as_tensor(fill, dtype=y.dtype, device=y.device).expand(
+            self.rows * self.length, *y.shape[2:]).clone()  # [N·L, ...]
+        out[index[valid]] = y.flatten(0, 1)[valid]
+        return out.view(self.rows, self.length, *y.shape[2:])
+
+    def where(self) -> torch.Tensor:
+        """[N, L] long: the flat packed position (b·S + s) of each padded column, -1 if not packed."""
+        index = self.index.flatten()  # [B·S]
+        out = torch.full((self.rows * self.length,), -1, dtype=torch.long, device=index.device)
+        valid = index >= 0
+        out[index[valid]] = torch.arange(len(index), device=index.device)[valid]
+        return out.view(self.rows, self.length)
+
+
+def row_spans(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[N, L] bool: the columns a row's response log-probs depend on: the attended ones before its
+    last response token (tool outputs between turns included; no device sync)."""
+    L, T = attention_mask.shape[1], response_mask.shape[1]
+    cols = torch.arange(1, T + 1, device=response_mask.device)
+    reach = (response_mask.bool() * cols).amax(-1)  # [N] response columns up to the last token
+    end = L - T + reach - 1  # [N] exclusive: the last response token predicts nothing
+    return attention_mask.bool() & (torch.arange(L, device=end.device) < end[:, None])  # [N, L]
+
+
+def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
+              max_tokens: int | None = None) -> PackedRows:
+    """The packed layout of these rows (`PackedRows`): rows dealt first-fit by length, longest
+    first, into packed rows of at most ``max_tokens`` tokens (a longer row alone; None: all in
+    one). A row's attended columns must be contiguous (left-padded prompt, right-padded
+    response). One host sync (the rows' spans)."""
+    (N, L), T = attention_mask.shape, response_mask.shape[1]
+    scored = response_mask.cpu().bool()  # [N, T] (host sync)
+    keep = row_spans(attention_mask.cpu(), scored)  # [N, L]
+    if not keep[:, L - T - 1 : L - 1][scored].all():
+        raise ValueError("pack_rows: a response token follows a column the row does not attend to")
+    lengths = keep.sum(-1)  # [N]
+    cap = max(int(lengths.max()), max_tokens or int(lengths.sum()))
+    bins: list[list[int]] = []
+    fill: list[int] = []
+    for i in torch.argsort(lengths, descending=True, stable=True).tolist():
+        n = int(lengths[i])
+        if n == 0:
+            continue  # no response token: nothing to score
+        b = next((b for b, f in enumerate(fill) if f + n <= cap), len(bins))
+        if b == len(bins):
+            bins.append([])
+            fill.append(0)
+        bins[b].append(i)
+        fill[b] += n
+    S = max(fill, default=1)
+    index = torch.full((max(len(bins), 1), S), -1, dtype=torch.long)  # [B, S]
+    positions = torch.zeros_like(index)  # [B, S]
+    for b, rows in enumerate(bins):
+        at = 0
+        for i in sorted(rows):
+            cols = keep[i].nonzero().squeeze(-1)  # [n]
+            index[b, at:at + len(cols)] = i * L + cols
+            positions[b, at:at + len(cols)] = torch.arange(len(cols))
+            at += len(cols)
+        positions[b, at:] = torch.arange(S - at)  # the tail: a sequence of its own
+    device = attention_mask.device
+    return PackedRows(index.to(device), positions.to(device), N, L)
+
+
+def packing_honoured(model: nn.Module, several_rows: bool = True) -> bool:
+    """Whether the model's decoder confines attention to each sequence of a packed row (restarting
+    `position_ids`, no attention mask): two sequences packed in one row [1, 7] and, with
+    ``several_rows``, in two rows [2, 4] with a padding tail, against each alone."""
+    decoder, _ = decoder_and_head(model)
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(1, vocab, (n,), generator=g).to(device) for n in (3, 4))
+    def hidden(ids, positions):
+        out = decoder(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    ar = lambda n: torch.arange(n, device=device)  # noqa: E731
+    with torch.no_grad():
+        alone = [hidden(x[None], ar(len(x))[None])[0] for x in (a, b)]
+        one = hidden(torch.cat([a, b])[None], torch.cat([ar(3), ar(4)])[None])[0]  # [7, H]
+        two = None if not several_rows else hidden(torch.stack([torch.cat([a, b[:1]]), b]),
+                     torch.stack([torch.cat([ar(3), ar(1)]), ar(4)]))  # [2, 4, H]
+    close = lambda x, y: bool(torch.allclose(x.float(), y.float(), atol=1e-2, rtol=1e-2))  # noqa: E731
+    one_row = close(one[:3], alone[0]) and close(one[3:], alone[1])
+    return one_row and (not several_rows or (close(two[0, :3], alone[0]) and close(two[1], alone[1])))
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -261,6 +388,7 @@ def response_logprobs(
     entropy_grad: bool = False,
     prompt_groups: torch.Tensor | None = None,
     trim: bool = False,
+    packed: PackedRows | None = None,
     **forward_kwargs,
 ) -> TokenLogProbs:
     """logp[i, t] = log softmax(logits / τ)[L-T+t-1] at input_ids[i, L-T+t], chunked over tokens.
@@ -273,8 +401,15 @@ def response_logprobs(
     same values up to float rounding; one host sync). Both split or cut the forward: under a MoE
     routing capture, lay out what it recorded by the returned `layout` (`RoutingCapture.layout`);
     not under routing replay, which forces the experts of every row and column of one forward.
+    `packed` (`pack_rows`): run the decoder once on the rows packed without padding instead
+    (`prompt_groups` and `trim` are then not used); same values up to float rounding. Under a
+    routing replay, replay ``packed.gather(routing)``.
     """
     T = _check_layout(input_ids, response_mask)
+    if packed is not None:
+        return _packed_rows_logprobs(model, input_ids, response_mask, packed, temperature=temperature,
+                                     chunk_size=chunk_size, with_entropy=with_entropy,
+                                     entropy_grad=entropy_grad, **forward_kwargs)
     decoder, head = decoder_and_head(model)
     L, a, b, T_kept = input_ids.shape[1], 0, input_ids.shape[1], 0
     if trim and not forward_kwargs:  # per-position kwargs (MoE routing replay) need every column
@@ -299,7 +434,43 @@ def response_logprobs(
         entropy_grad=entropy_grad,
     )
     entropy = _unpack(ent_k, mask, T) if with_entropy else None  # [N, T]
-    layout = DecoderLayout(L, a, b, P, prefix_rows)
+    layout = _padded_layout(attention_mask, response_mask, a, b, P, prefix_rows, prompt_groups)
+    return TokenLogProbs(logp=_unpack(logp_k, mask, T), entropy=entropy, layout=layout)  # [N, T]
+
+
+def _padded_layout(attention_mask: torch.Tensor, response_mask: torch.Tensor, a: int, b: int, P: int,
+                   prefix_rows: torch.Tensor | None, groups: torch.Tensor | None) -> DecoderLayout:
+    """The layout of padded forwards over columns a..b-1 (the first P once per group), with the
+    positions they computed and those the rows need (no device sync)."""
+    N, L = attention_mask.shape
+    keep = row_spans(attention_mask, response_mask)[:, a:b]  # [N, b-a]
+    if prefix_rows is None:
+        return DecoderLayout(L, a, b, tokens=N * (b - a), needed=keep.sum())
+    U = len(torch.unique(groups))  # rows of the prompt forward
+    prompt = torch.zeros(U, dtype=torch.long, device=keep.device).scatter_(
+        0, prefix_rows.to(keep.device), keep[:, :P].sum(-1))  # [U] each group's prompt tokens
+    return DecoderLayout(L, a, b, P, prefix_rows, tokens=U * P + N * (b - a - P),
+                         needed=prompt.sum() + keep[:, P:].sum())
+
+
+def _packed_rows_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, response_mask: torch.Tensor, packed: PackedRows, *,
+    temperature: float, chunk_size: int, with_entropy: bool, entropy_grad: bool, **forward_kwargs
+) -> TokenLogProbs:
+    """`response_logprobs` of the rows laid out as ``packed``: one decoder forward over [B, S]."""
+    decoder, head = decoder_and_head(model)
+    (N, L), T = input_ids.shape, response_mask.shape[1]
+    out = decoder(input_ids=packed.gather(input_ids), position_ids=packed.position_ids,
+                  attention_mask=None, use_cache=False, **forward_kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, S, H]
+    mask = response_mask.bool()  # [N, T]
+    at = packed.where().to(hidden.device)[:, L - T - 1 : L - 1][mask]  # [K] the column predicting each
+    logp_k, ent_k = _packed_logprobs(
+        head, _logit_transform(model), hidden.flatten(0, 1)[at],  # [K, H]
+        input_ids[:, L - T :][mask], temperature=temperature, chunk_size=chunk_size,  # [K]
+        with_entropy=with_entropy, entropy_grad=entropy_grad)
+    entropy = _unpack(ent_k, mask, T) if with_entropy else None  # [N, T]
+    layout = DecoderLayout(L, 0, L, packed=packed, tokens=packed.index.numel(), needed=packed.real)
     return TokenLogProbs(logp=_unpack(logp_k, mask, T), entropy=entropy, layout=layout)  # [N, T]
 
 
