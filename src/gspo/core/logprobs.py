@@ -131,31 +131,28 @@ def row_spans(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> torc
 
 def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
               max_tokens: int | None = None) -> PackedRows:
-    """The packed layout of these rows (`PackedRows`): rows dealt first-fit by length, longest
-    first, into packed rows of at most ``max_tokens`` tokens (a longer row alone; None: all in
-    one). A row's attended columns must be contiguous (left-padded prompt, right-padded
-    response). One host sync (the rows' spans)."""
+    """The packed layout of these rows (`PackedRows`): B = ceil(tokens / ``max_tokens``) packed
+    rows (None: one), the rows dealt longest first each to the least filled, so that the B rows
+    end alike and their padding tails are short. A row's attended columns must be contiguous
+    (left-padded prompt, right-padded response). One host sync (the rows' spans)."""
     (N, L), T = attention_mask.shape, response_mask.shape[1]
     scored = response_mask.cpu().bool()  # [N, T] (host sync)
     keep = row_spans(attention_mask.cpu(), scored)  # [N, L]
     if not keep[:, L - T - 1 : L - 1][scored].all():
         raise ValueError("pack_rows: a response token follows a column the row does not attend to")
     lengths = keep.sum(-1)  # [N]
-    cap = max(int(lengths.max()), max_tokens or int(lengths.sum()))
-    bins: list[list[int]] = []
-    fill: list[int] = []
+    B = 1 if max_tokens is None else max(1, -(-int(lengths.sum()) // max_tokens))
+    bins: list[list[int]] = [[] for _ in range(B)]
+    fill = [0] * B
     for i in torch.argsort(lengths, descending=True, stable=True).tolist():
-        n = int(lengths[i])
-        if n == 0:
+        if lengths[i] == 0:
             continue  # no response token: nothing to score
-        b = next((b for b, f in enumerate(fill) if f + n <= cap), len(bins))
-        if b == len(bins):
-            bins.append([])
-            fill.append(0)
+        b = min(range(B), key=fill.__getitem__)
         bins[b].append(i)
-        fill[b] += n
-    S = max(fill, default=1)
-    index = torch.full((max(len(bins), 1), S), -1, dtype=torch.long)  # [B, S]
+        fill[b] += int(lengths[i])
+    bins = [rows for rows in bins if rows] or [[]]
+    S = max(max(fill), 1)
+    index = torch.full((len(bins), S), -1, dtype=torch.long)  # [B, S]
     positions = torch.zeros_like(index)  # [B, S]
     for b, rows in enumerate(bins):
         at = 0
