@@ -85,3 +85,67 @@ def test_pack_rows_refused_with_the_router_loss(make_cfg):
     from gspo.config.resolve import resolve  # noqa: F401  (the config refuses it in one line)
     with pytest.raises(Exception, match="pack_rows does not work with moe.aux_loss_coef"):
         make_cfg("model.preset=tiny-moe", "moe.aux_loss_coef=0.01", "train.pack_rows=true")
+
+
+def _fsdp_worker(rank: int, world: int, port: int, root: str) -> None:
+    """Rank r: tiny-dense sharded by FSDP2, its own rows (different counts and lengths per rank)
+    through ``LogprobPasses.logprobs`` packed, with gradient; saves log-probs and gradients."""
+    import torch.distributed as torch_dist
+    from pathlib import Path
+    from torch.distributed.tensor import DTensor
+    from gspo.models.presets import build_model
+    from gspo.training.distributed import Dist
+    from gspo.training.passes import LogprobPasses
+    torch.set_num_threads(1)
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                  world_size=world)
+    model, _ = build_model("tiny-dense", 0)
+    dist = Dist(rank=rank, world=world)
+    passes = LogprobPasses(model, dist, temperature=1.0, chunk_size=16, group_size=2,
+                           entropy_grad=False, routing_replay="none", aux_loss=False, pack=True,
+                           pack_length=16)
+    dist.wrap(model, "fsdp")
+    batch = _fixed_batch().select(torch.arange(4) if rank == 0 else torch.arange(4, 6))
+    logp = passes.logprobs(model, batch).logp
+    logp.sum().backward()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+             for n, p in model.named_parameters()}
+    torch.save((logp.detach(), grads), Path(root) / f"fsdp_{rank}.pt")
+    torch_dist.destroy_process_group()
+
+
+def _fixed_batch():
+    """6 rows of ragged prompts (left-padded) and responses (right-padded), random tokens."""
+    from gspo.rollout.generate import RolloutBatch
+    g = torch.Generator().manual_seed(0)
+    prompts, responses, P, T = [5, 3, 7, 2, 6, 4], [6, 2, 4, 1, 5, 3], 7, 6
+    ids = torch.zeros(6, P + T, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - p:P + r] = torch.randint(4, 90, (p + r,), generator=g)
+    attention = (ids != 0).long()
+    return RolloutBatch(input_ids=ids, attention_mask=attention,
+                        response_mask=attention[:, P:].float(), truncated=torch.zeros(6, dtype=torch.bool),
+                        completions=[""] * 6, examples=[None] * 6)
+
+
+@pytest.mark.slow
+def test_packed_rows_under_fsdp_equal_one_process_padded(tmp_path):
+    """FSDP2 on 2 ranks, each packing its own rows (4 and 2, of other lengths): each rank's one
+    forward per pass keeps the ranks' collectives in step; the log-probs equal the one-process
+    padded ones of those rows, and the gradient summed over ranks equals the one-process
+    gradient of all rows, within 1e-5."""
+    from conftest import free_port
+    from gspo.core.logprobs import response_logprobs
+    from gspo.models.presets import build_model
+    torch.multiprocessing.spawn(_fsdp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                                join=True)
+    (logp0, grads0), (logp1, grads1) = (torch.load(tmp_path / f"fsdp_{r}.pt") for r in range(2))
+    model, _ = build_model("tiny-dense", 0)
+    batch = _fixed_batch()
+    ref = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                            with_entropy=False).logp
+    ref.sum().backward()
+    torch.testing.assert_close(torch.cat([logp0, logp1]), ref.detach(), atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():   # fsdp's reduce-scatter summed the ranks' gradients
+        torch.testing.assert_close(grads0[n], p.grad, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(grads1[n], p.grad, atol=1e-5, rtol=1e-4)
