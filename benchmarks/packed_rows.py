@@ -9,11 +9,13 @@ positions the update's forwards computed, their padding share (``perf/padding_fr
 medians over rounds of the seconds of π_old's pass and of the update's forward/backward.
 
 Layouts: ``padded`` (``train.pack_rows=false``: padding columns trimmed, each group's prompt run
-once) and ``packed/N`` for each ``--pack-length N`` (``train.pack_rows=true``,
-``train.pack_length=N``; 0: one packed row per forward).
+once), ``packed/N`` for each ``--pack-length N`` (``train.pack_rows=true``,
+``train.pack_length=N``; 0: one packed row per forward; each group's prompt packed once), and
+``rows/N`` for the first N: packed without sharing prompts (every row its own prompt, as under
+flash-attention or fsdp).
 
-    OMP_NUM_THREADS=1 python benchmarks/packed_rows.py configs/default.yaml --batches 3 \\
-        --rounds 5 --pack-length 256 0 [key=value ...]
+    OMP_NUM_THREADS=1 python benchmarks/packed_rows.py configs/default.yaml [key=value ...] \\
+        --batches 3 --rounds 5 --pack-length 256 0
 """
 
 from __future__ import annotations
@@ -47,17 +49,20 @@ def main() -> None:
     trainer = Trainer(cfg, log=lambda m: None)
     trainer.setup()
     step, passes = trainer.step, trainer.step.passes
-    assert packing_honoured(trainer.model)
+    assert packing_honoured(trainer.model) and packing_honoured(trainer.model, shared=True)
     step.optimizer.step = lambda *args, **kwargs: None         # the weights stay put
     batches = [trainer.collector.collect(k)[:2] for k in range(a.batches)]
     print(f"{a.config} {' '.join(a.overrides)}: set-up and {a.batches} batches in "
           f"{time.perf_counter() - t0:.0f} s; rows per batch {len(batches[0][1])}, "
           f"response columns {[b.response_mask.shape[1] for b, _ in batches]}")
-    layouts = [("padded", False, None)] + [(f"packed/{n}", True, n or None) for n in a.pack_length]
-    seen = {name: {"old": [], "fb": [], "computed": [], "real": []} for name, _, _ in layouts}
+    n0 = a.pack_length[0]
+    layouts = ([("padded", False, None, True)]
+               + [(f"packed/{n}", True, n or None, True) for n in a.pack_length]
+               + [(f"rows/{n0}", True, n0 or None, False)])
+    seen = {name: {"old": [], "fb": [], "computed": [], "real": []} for name, *_ in layouts}
     for r in range(a.rounds):
-        for name, pack, length in (layouts if r % 2 == 0 else layouts[::-1]):
-            passes.pack, passes.pack_length = pack, length
+        for name, pack, length, shared in (layouts if r % 2 == 0 else layouts[::-1]):
+            passes.pack, passes.pack_length, passes.pack_shared = pack, length, shared
             t_old = t_fb = 0.0
             for k, (batch, rewards) in enumerate(batches):
                 batch.loss_mask, batch.dropped = None, None
@@ -79,7 +84,7 @@ def main() -> None:
           "π_old pass s | forward/backward s | time ratio to padded (fwd/bwd) | "
           "positions ratio |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, _, _ in layouts:
+    for name, *_ in layouts:
         s = seen[name]
         comp, real = sum(s["computed"]), sum(s["real"])
         old, fb = statistics.median(s["old"]), statistics.median(s["fb"])

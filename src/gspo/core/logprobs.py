@@ -82,17 +82,16 @@ class PackedRows:
     last response token (exclusive: that token predicts nothing) back to back, positions
     restarting at 0 per row, and after the last row of a packed row a padding tail (a sequence of
     its own, never scored). transformers reads restarting `position_ids` with no attention mask as
-    packed sequences (`packing_honoured`)."""
+    packed sequences (`packing_honoured`). With shared prompts, a group's prompt is packed once and
+    followed by each of its rows' response tokens, and ``attention`` says who attends to whom."""
 
-    index: torch.Tensor  # [B, S] flat column i·L + c of the padded layout; -1: tail padding
+    index: torch.Tensor  # [B, S] the padded column i·L + c whose token each packed column is; -1: tail
     position_ids: torch.Tensor  # [B, S]
-    rows: int  # N
-    length: int  # L
-
-    @property
-    def real(self) -> int:
-        """Tokens of the rows (the rest of B·S is tail padding)."""
-        return int((self.index >= 0).sum())
+    where: torch.Tensor  # [N, L] the flat packed position b·S + s computing each padded column; -1: none
+    real: int  # packed columns that are not tail padding
+    attention: torch.Tensor | None = None
+    """[B, S, S] bool, query column attends key column (shared prompts: each response attends to its
+    group's prompt and itself, causally); None: each row alone, read from the restarting positions."""
 
     def gather(self, x: torch.Tensor, fill: torch.Tensor | float = 0) -> torch.Tensor:
         """[B, S, ...] the packed layout of x [N, L, ...]; ``fill`` at the tail padding."""
@@ -102,21 +101,12 @@ class PackedRows:
         return torch.where(valid, out, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
 
     def scatter(self, y: torch.Tensor, fill: torch.Tensor | float = 0) -> torch.Tensor:
-        """[N, L, ...] the padded layout of y [B, S, ...]; ``fill`` at the columns not packed."""
-        index = self.index.to(y.device).flatten()  # [B·S]
-        valid = index >= 0
-        out = torch.as_tensor(fill, dtype=y.dtype, device=y.device).expand(
-            self.rows * self.length, *y.shape[2:]).clone()  # [N·L, ...]
-        out[index[valid]] = y.flatten(0, 1)[valid]
-        return out.view(self.rows, self.length, *y.shape[2:])
-
-    def where(self) -> torch.Tensor:
-        """[N, L] long: the flat packed position (b·S + s) of each padded column, -1 if not packed."""
-        index = self.index.flatten()  # [B·S]
-        out = torch.full((self.rows * self.length,), -1, dtype=torch.long, device=index.device)
-        valid = index >= 0
-        out[index[valid]] = torch.arange(len(index), device=index.device)[valid]
-        return out.view(self.rows, self.length)
+        """[N, L, ...] the padded layout of y [B, S, ...]: each column the packed column that
+        computed it (a shared prompt's to every row of its group); ``fill`` where none did."""
+        where = self.where.to(y.device)
+        out = y.flatten(0, 1)[where.clamp(min=0)]  # [N, L, ...]
+        valid = (where >= 0).view(*where.shape, *[1] * (y.dim() - 2))
+        return torch.where(valid, out, torch.as_tensor(fill, dtype=y.dtype, device=y.device))
 
 
 def row_spans(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -130,63 +120,114 @@ def row_spans(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> torc
 
 
 def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
-              max_tokens: int | None = None) -> PackedRows:
-    """The packed layout of these rows (`PackedRows`): B = ceil(tokens / ``max_tokens``) packed
-    rows (None: one), the rows dealt longest first each to the least filled, so that the B rows
-    end alike and their padding tails are short. A row's attended columns must be contiguous
-    (left-padded prompt, right-padded response). One host sync (the rows' spans)."""
+              max_tokens: int | None = None, groups: torch.Tensor | None = None) -> PackedRows:
+    """The packed layout of these rows (`PackedRows`). Units (a row; with ``groups`` [N] (CPU),
+    rows of one id having the same prompt columns, a group: its prompt once, then its rows'
+    response tokens) are dealt longest first, each to the least filled of B = ceil(tokens /
+    ``max_tokens``) packed rows (None: one), so that they end alike and their padding tails are
+    short. A row's attended columns must be contiguous (left-padded prompt, right-padded
+    response). One host sync (the rows' spans)."""
     (N, L), T = attention_mask.shape, response_mask.shape[1]
     scored = response_mask.cpu().bool()  # [N, T] (host sync)
     keep = row_spans(attention_mask.cpu(), scored)  # [N, L]
     if not keep[:, L - T - 1 : L - 1][scored].all():
         raise ValueError("pack_rows: a response token follows a column the row does not attend to")
-    lengths = keep.sum(-1)  # [N]
-    B = 1 if max_tokens is None else max(1, -(-int(lengths.sum()) // max_tokens))
+    live = (keep.sum(-1) > 0).tolist()  # a row without response token: nothing to score
+    if groups is None:
+        units = [[i] for i in range(N) if live[i]]
+    else:
+        ids = groups.tolist()
+        units = [[i for i in range(N) if ids[i] == g and live[i]] for g in dict.fromkeys(ids)]
+        units = [u for u in units if u]
+    cols = [keep[i].nonzero().squeeze(-1) for i in range(N)]  # each row's columns
+    shared = groups is not None
+    split = [(cols[u[0]][cols[u[0]] < L - T], [cols[i][cols[i] >= L - T] for i in u]) if shared
+             else (cols[u[0]], []) for u in units]  # (prompt or whole row, responses)
+    sizes = [len(p) + sum(len(r) for r in rs) for p, rs in split]
+    B = 1 if max_tokens is None else max(1, -(-sum(sizes) // max_tokens))
     bins: list[list[int]] = [[] for _ in range(B)]
     fill = [0] * B
-    for i in torch.argsort(lengths, descending=True, stable=True).tolist():
-        if lengths[i] == 0:
-            continue  # no response token: nothing to score
+    for u in sorted(range(len(units)), key=lambda u: -sizes[u]):  # stable: ties in unit order
         b = min(range(B), key=fill.__getitem__)
-        bins[b].append(i)
-        fill[b] += int(lengths[i])
-    bins = [rows for rows in bins if rows] or [[]]
+        bins[b].append(u)
+        fill[b] += sizes[u]
+    bins = [us for us in bins if us] or [[]]
     S = max(max(fill), 1)
     index = torch.full((len(bins), S), -1, dtype=torch.long)  # [B, S]
-    positions = torch.zeros_like(index)  # [B, S]
-    for b, rows in enumerate(bins):
+    positions, unit, branch = torch.zeros_like(index), torch.zeros_like(index), torch.zeros_like(index)
+    where = torch.full((N, L), -1, dtype=torch.long)  # [N, L]
+    for b, us in enumerate(bins):
         at = 0
-        for i in sorted(rows):
-            cols = keep[i].nonzero().squeeze(-1)  # [n]
-            index[b, at:at + len(cols)] = i * L + cols
-            positions[b, at:at + len(cols)] = torch.arange(len(cols))
-            at += len(cols)
+        for u in sorted(us):
+            prompt, responses = split[u]
+            n = len(prompt)
+            index[b, at:at + n] = units[u][0] * L + prompt
+            positions[b, at:at + n] = torch.arange(n)
+            unit[b, at:at + n] = u
+            for i in units[u]:  # a shared prompt computes every row's prompt columns
+                where[i, prompt] = b * S + at + torch.arange(n)
+            at += n
+            for j, (i, r) in enumerate(zip(units[u], responses)):  # shared prompts: each response
+                index[b, at:at + len(r)] = i * L + r
+                positions[b, at:at + len(r)] = n + torch.arange(len(r))  # after the prompt's n
+                unit[b, at:at + len(r)] = u
+                branch[b, at:at + len(r)] = j + 1
+                where[i, r] = b * S + at + torch.arange(len(r))
+                at += len(r)
         positions[b, at:] = torch.arange(S - at)  # the tail: a sequence of its own
+        unit[b, at:] = -1 - torch.arange(S - at)  # (each column alone, for ``attention``)
+    attention = None
+    if shared:  # [B, S, S] same unit, causal, and the prompt (branch 0) or the same response
+        q, k = (slice(None), slice(None), None), (slice(None), None, slice(None))
+        attention = ((unit[q] == unit[k]) & (torch.arange(S)[None, None] <= torch.arange(S)[None, :, None])
+                     & ((branch[k] == 0) | (branch[k] == branch[q])))
     device = attention_mask.device
-    return PackedRows(index.to(device), positions.to(device), N, L)
+    return PackedRows(index.to(device), positions.to(device), where.to(device), int((index >= 0).sum()),
+                      None if attention is None else attention.to(device))
 
 
-def packing_honoured(model: nn.Module, several_rows: bool = True) -> bool:
-    """Whether the model's decoder confines attention to each sequence of a packed row (restarting
-    `position_ids`, no attention mask): two sequences packed in one row [1, 7] and, with
-    ``several_rows``, in two rows [2, 4] with a padding tail, against each alone."""
+def _packed_hidden(decoder: nn.Module, input_ids: torch.Tensor, packed: PackedRows,
+                   **forward_kwargs) -> torch.Tensor:
+    """Hidden states [B, S, H] of the rows [N, L] packed as ``packed``: one decoder forward, no
+    attention mask (restarting positions) or the 4D mask of shared prompts."""
+    mask = None
+    if packed.attention is not None:  # additive [B, 1, S, S]: 0 where attended, else the dtype's min
+        dtype = next(decoder.parameters()).dtype
+        mask = torch.zeros(packed.attention.shape, dtype=dtype, device=input_ids.device)
+        mask = mask.masked_fill_(~packed.attention.to(input_ids.device), torch.finfo(dtype).min)[:, None]
+    out = decoder(input_ids=packed.gather(input_ids), position_ids=packed.position_ids.to(input_ids.device),
+                  attention_mask=mask, use_cache=False, **forward_kwargs)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, S, H]
+
+
+def packing_honoured(model: nn.Module, several_rows: bool = True, shared: bool = False) -> bool:
+    """Whether the model's decoder gives each row of a packed layout the hidden states of that row
+    alone: 4 ragged rows (2 prompts, 2 responses each) packed by `pack_rows` in one packed row or,
+    with ``several_rows``, in several with padding tails; with ``shared``, each prompt once."""
     decoder, _ = decoder_and_head(model)
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(0)
-    a, b = (torch.randint(1, vocab, (n,), generator=g).to(device) for n in (3, 4))
-    def hidden(ids, positions):
-        out = decoder(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    ar = lambda n: torch.arange(n, device=device)  # noqa: E731
+    prompts = [torch.randint(1, vocab, (n,), generator=g) for n in (3, 2)]
+    ids, am, rm = torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, 3)
+    for i, (p, r) in enumerate([(0, 2), (0, 3), (1, 1), (1, 2)]):
+        n = len(prompts[p])
+        ids[i, 3 - n:3], ids[i, 3:3 + r] = prompts[p], torch.randint(1, vocab, (r,), generator=g)
+        am[i, 3 - n:3 + r], rm[i, :r] = 1, 1
+    packed = pack_rows(am, rm, 8 if several_rows else None, torch.tensor([0, 0, 1, 1]) if shared else None)
+    ids = ids.to(device)
+    keep = row_spans(am, rm)  # [4, 6]
     with torch.no_grad():
-        alone = [hidden(x[None], ar(len(x))[None])[0] for x in (a, b)]
-        one = hidden(torch.cat([a, b])[None], torch.cat([ar(3), ar(4)])[None])[0]  # [7, H]
-        two = None if not several_rows else hidden(torch.stack([torch.cat([a, b[:1]]), b]),
-                     torch.stack([torch.cat([ar(3), ar(1)]), ar(4)]))  # [2, 4, H]
-    close = lambda x, y: bool(torch.allclose(x.float(), y.float(), atol=1e-2, rtol=1e-2))  # noqa: E731
-    one_row = close(one[:3], alone[0]) and close(one[3:], alone[1])
-    return one_row and (not several_rows or (close(two[0, :3], alone[0]) and close(two[1], alone[1])))
+        hidden = _packed_hidden(decoder, ids, packed).flatten(0, 1)  # [B·S, H]
+        for i in range(4):
+            cols = keep[i].nonzero().squeeze(-1)
+            out = decoder(input_ids=ids[i, cols.to(device)][None], attention_mask=None, use_cache=False,
+                          position_ids=torch.arange(len(cols), device=device)[None])
+            alone = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [1, n, H]
+            got = hidden[packed.where[i, cols.to(packed.where.device)].to(hidden.device)]
+            if not torch.allclose(got.float(), alone[0].float(), atol=1e-2, rtol=1e-2):
+                return False
+    return True
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -457,11 +498,9 @@ def _packed_rows_logprobs(
     """`response_logprobs` of the rows laid out as ``packed``: one decoder forward over [B, S]."""
     decoder, head = decoder_and_head(model)
     (N, L), T = input_ids.shape, response_mask.shape[1]
-    out = decoder(input_ids=packed.gather(input_ids), position_ids=packed.position_ids,
-                  attention_mask=None, use_cache=False, **forward_kwargs)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, S, H]
+    hidden = _packed_hidden(decoder, input_ids, packed, **forward_kwargs)  # [B, S, H]
     mask = response_mask.bool()  # [N, T]
-    at = packed.where().to(hidden.device)[:, L - T - 1 : L - 1][mask]  # [K] the column predicting each
+    at = packed.where.to(hidden.device)[:, L - T - 1 : L - 1][mask]  # [K] the column predicting each
     logp_k, ent_k = _packed_logprobs(
         head, _logit_transform(model), hidden.flatten(0, 1)[at],  # [K, H]
         input_ids[:, L - T :][mask], temperature=temperature, chunk_size=chunk_size,  # [K]

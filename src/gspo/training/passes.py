@@ -10,7 +10,7 @@ audit record, the critic's KL). What it hides from the step:
   detached forward (π_θ = π_old before the first optimizer step); rows whose groups share a
   prompt run the prompt once; padding columns no response depends on are trimmed. Or, under
   ``train.pack_rows``, every pass runs its rows packed without padding
-  (``gspo.core.logprobs.pack_rows``) instead of trimmed and prompt-shared.
+  (``gspo.core.logprobs.pack_rows``; a group's prompt packed once, when prompts may be shared).
 * **MoE routing** (docs/moe.md): the experts π_old chose are captured in the old-log-prob pass,
   or at generation, and replayed when π_θ is computed (``moe.routing_replay``); otherwise they
   are captured for the routing metrics (``moe/*``) and the router's load-balancing loss. Stored
@@ -97,24 +97,33 @@ class LogprobPasses:
         when the routing is just captured (its forwards are laid out again, ``cap.layout``), not
         replayed, nor needed in one piece for the aux loss."""
         self.pack, self.pack_length = pack, pack_length
+        attn = str(getattr(model.config, "_attn_implementation", None) or "")
+        self.pack_shared = not attn.startswith("flash")
+        """Whether a packed pass may pack a group's prompt once (a 4D mask: not flash-attention)."""
         if pack:
             if aux_loss:
                 raise ValueError("train.pack_rows does not work with moe.aux_loss_coef > 0 (the "
                                  "router loss averages over every attended column of padded rows)")
-            attn = str(getattr(model.config, "_attn_implementation", None) or "")
-            if attn.startswith("flash"):  # varlen from position ids: one packed row only
+            if not self.pack_shared:  # varlen from position ids: one packed row only
                 self.pack_length = None
-            if not packing_honoured(model, several_rows=self.pack_length is not None):
+            if not (packing_honoured(model, several_rows=self.pack_length is not None)
+                    and (not self.pack_shared or packing_honoured(model, self.pack_length is not None,
+                                                                  shared=True))):
                 raise ValueError(f"train.pack_rows: {type(model).__name__} under attention {attn!r} "
                                  f"does not confine attention to each packed row; set it false")
         self.tokens = [0, 0]
         """Positions the update's forwards computed, and those their rows needed, since ``take_tokens``."""
 
-    def packing(self, batch: RolloutBatch) -> PackedRows | None:
-        """The packed layout of the batch's rows under ``train.pack_rows`` (one host sync), else None."""
+    def packing(self, batch: RolloutBatch, rows: Tensor | None = None) -> PackedRows | None:
+        """The packed layout of the batch's rows under ``train.pack_rows`` (one host sync), else
+        None. ``rows`` (CPU, as in ``logprobs``): each group's prompt packed once, when prompts may
+        be shared (not under routing replay or fsdp, nor flash-attention: it takes no 4D mask)."""
         if not self.pack:
             return None
-        return pack_rows(batch.attention_mask, batch.response_mask, self.pack_length)
+        share = (rows is not None and self.split_forwards and self.forwards.policy is None
+                 and self.pack_shared)
+        return pack_rows(batch.attention_mask, batch.response_mask, self.pack_length,
+                         groups=rows // self.group_size if share else None)
 
     def take_tokens(self) -> tuple[int, int]:
         """(positions computed, positions needed) by the update's forwards since the last call."""
@@ -128,13 +137,14 @@ class LogprobPasses:
         batch's rows in the rollout batch (CPU), whose groups of G share a prompt: each prompt then
         runs once (not under fsdp, whose forwards are collectives that every rank must run alike).
         Padding columns no response token depends on are trimmed. Both only when ``split_forwards``.
-        Under ``train.pack_rows`` neither: the rows run packed (``packed``, or laid out here)."""
+        Under ``train.pack_rows`` the rows run packed instead (``packed``, or laid out here), each
+        group's prompt once under the same conditions."""
         if self.pack:
             return self.forwards.logprobs(model, batch.input_ids, batch.attention_mask,
                                           batch.response_mask, temperature=self.temperature,
                                           chunk_size=self.chunk_size, with_entropy=with_entropy,
                                           entropy_grad=self.entropy_grad,
-                                          packed=packed or self.packing(batch))
+                                          packed=packed or self.packing(batch, rows))
         split = self.split_forwards
         shared = rows is not None and split and self.forwards.policy is None
         groups = rows // self.group_size if shared else None
@@ -159,7 +169,7 @@ class LogprobPasses:
                keep_logits: bool = False):
         """The policy's ``logprobs`` inside ``routing_context``: (log-probs, the routing capture or
         None), the capture told which forwards ran (``layout``) so that ``cap.routing`` is laid out."""
-        packed = self.packing(batch)
+        packed = self.packing(batch, rows)
         with self.routing_context(batch, keep_logits=keep_logits, packed=packed) as cap:
             out = self.logprobs(self.model, batch, with_entropy=with_entropy, rows=rows,
                                 packed=packed)
