@@ -347,6 +347,28 @@ def test_trimmed_shared_forwards_lay_out_the_same_routing(shared):
     assert torch.equal(response_routing(split_routing, T)[scored], response_routing(routing, T)[scored])
 
 
+def test_packed_groups_capture_lays_out_each_rows_experts():
+    """Packed groups (a prompt once for its rows) under a capture: each row gets its group's
+    prompt experts and its own response experts, those of the padded pass at every scored
+    position."""
+    model, tok = _tiny_moe()
+    ids, attn, mask = _batch(tok)
+    rows = torch.tensor([0, 2, 0, 1, 2, 0])
+    g = torch.Generator().manual_seed(3)
+    ids, attn, mask = ids[rows].clone(), attn[rows].clone(), mask[rows].clone()
+    T = mask.shape[1]
+    ids[:, -T:] = torch.where(mask.bool(), torch.randint(4, len(tok), (len(rows), T), generator=g), 0)
+    with torch.no_grad():
+        with capture_routing(model) as padded_cap:
+            response_logprobs(model, ids, attn, mask)
+        with capture_routing(model) as packed_cap:
+            packed_cap.layout = response_logprobs(model, ids, attn, mask,
+                                                  packed=pack_rows(attn, mask, 16, rows)).layout
+    scored = mask.bool()
+    assert torch.equal(response_routing(packed_cap.routing, T)[scored],
+                       response_routing(padded_cap.routing, T)[scored])
+
+
 @pytest.mark.parametrize("max_tokens", [None, 14])   # one packed row | several, with tails
 def test_packed_rows_capture_and_replay_line_up_token_by_token(max_tokens):
     """Packed rows under a capture lay out the padded pass's experts at every scored position;
