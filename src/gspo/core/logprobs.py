@@ -16,12 +16,14 @@ With `packed` (`pack_rows`, the trainer's `train.pack_rows`) the rows run instea
 each row's tokens up to its last response token back to back without padding, positions
 restarting per row, attention confined to each row (transformers reads restarting position ids
 with no attention mask as packed sequences: flash-attention varlen for one packed row, a
-block-causal mask under sdpa / eager / flex; `packing_honoured` checks a model does).
+block-causal mask under sdpa / eager / flex; `packing_honoured` checks a model does). With
+groups, a group's prompt is packed once and its rows' responses after it, each attending to the
+prompt and itself through a 4D mask (sdpa / eager; not flash-attention).
 `packed_logprobs` scores one packed row of arbitrary sequences: the layout of the trainer-only
 throughput benchmark.
 
-What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no KL or loss; the decoder body runs unchanged (use the model's own
-gradient checkpointing for its activations). Head transforms handled: Cohere `logit_scale`,
+What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no KL or loss;
+the decoder body runs unchanged (use the model's own gradient checkpointing for its activations). Head transforms handled: Cohere `logit_scale`,
 Gemma `final_logit_softcapping`; a config with `logits_scaling` (Granite, MiniCPM3, ...) is
 refused rather than silently mis-scored. Parallel wrappers (DDP, FSDP) must be unwrapped by the
 caller: this calls the decoder and the head directly, not the wrapper's `forward` (wrap a module
