@@ -40,7 +40,8 @@ def _trainer(make_cfg, reward_module, *overrides, run, double):
     t = Trainer(make_cfg("sft.enabled=false", parity_rewards(reward_module),
                          "rollout.prompts_per_step=4", "rollout.group_size=4",
                          "rollout.max_new_tokens=12", "rollout.temperature=1.5",
-                         "task.name=multistep", *overrides, run=run), log=lambda m: None)
+                         "task.name=multistep", "train.pack_rows=false",   # padded rows' budget
+                         *overrides, run=run), log=lambda m: None)
     t.setup()
     if double:
         t.model.double()                                   # float64 weights: rounding far below

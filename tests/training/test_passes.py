@@ -58,7 +58,7 @@ def test_packed_update_gives_the_padded_gradient_and_loss(make_cfg, reward_modul
     tokens (several per forward, with padding tails): π_old, the gradients before each optimizer
     step, the loss, clip, ratio and entropy stats equal the padded update's; the packed update
     computes fewer positions and a smaller padding share."""
-    padded = _trainer(make_cfg, reward_module, *model, run="padded")
+    padded = _trainer(make_cfg, reward_module, *model, "train.pack_rows=false", run="padded")
     packed = _trainer(make_cfg, reward_module, *model, "train.pack_rows=true",
                       "train.pack_length=40", run="packed")
     batch, rewards, _ = padded.collector.collect(0)

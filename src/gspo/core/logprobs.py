@@ -125,9 +125,9 @@ def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
               max_tokens: int | None = None, groups: torch.Tensor | None = None) -> PackedRows:
     """The packed layout of these rows (`PackedRows`). Units (a row; with ``groups`` [N] (CPU),
     rows of one id having the same prompt columns, a group: its prompt once, then its rows'
-    response tokens) are dealt longest first, each to the least filled of B = ceil(tokens /
-    ``max_tokens``) packed rows (None: one), so that they end alike and their padding tails are
-    short. A row's attended columns must be contiguous (left-padded prompt, right-padded
+    response tokens) are dealt longest first, each to the least filled of B packed rows (None:
+    one), so that they end alike and their padding tails are short: of B = ceil(tokens /
+    ``max_tokens``) down to rows of about 2 ``max_tokens``, the B computing the fewest positions. A row's attended columns must be contiguous (left-padded prompt, right-padded
     response). One host sync (the rows' spans)."""
     (N, L), T = attention_mask.shape, response_mask.shape[1]
     scored = response_mask.cpu().bool()  # [N, T] (host sync)
@@ -146,13 +146,12 @@ def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
     split = [(cols[u[0]][cols[u[0]] < L - T], [cols[i][cols[i] >= L - T] for i in u]) if shared
              else (cols[u[0]], []) for u in units]  # (prompt or whole row, responses)
     sizes = [len(p) + sum(len(r) for r in rs) for p, rs in split]
-    B = 1 if max_tokens is None else max(1, -(-sum(sizes) // max_tokens))
-    bins: list[list[int]] = [[] for _ in range(B)]
-    fill = [0] * B
-    for u in sorted(range(len(units)), key=lambda u: -sizes[u]):  # stable: ties in unit order
-        b = min(range(B), key=fill.__getitem__)
-        bins[b].append(u)
-        fill[b] += sizes[u]
+    total = sum(sizes)
+    if max_tokens is None:
+        bins, fill = _deal(sizes, 1)
+    else:  # ceil(total / max_tokens) rows or fewer, down to rows of 2 max_tokens: the fewest positions
+        counts = range(max(1, -(-total // (2 * max_tokens))), max(1, -(-total // max_tokens)) + 1)
+        bins, fill = min((_deal(sizes, B) for B in reversed(counts)), key=lambda d: sum(map(bool, d[0])) * max(d[1]))
     bins = [us for us in bins if us] or [[]]
     S = max(max(fill), 1)
     index = torch.full((len(bins), S), -1, dtype=torch.long)  # [B, S]
@@ -186,6 +185,17 @@ def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
     device = attention_mask.device
     return PackedRows(index.to(device), positions.to(device), where.to(device), int((index >= 0).sum()),
                       None if attention is None else attention.to(device))
+
+
+def _deal(sizes: list[int], B: int) -> tuple[list[list[int]], list[int]]:
+    """Units of these sizes dealt longest first, each to the least filled of B rows: (rows, fills)."""
+    bins: list[list[int]] = [[] for _ in range(B)]
+    fill = [0] * B
+    for u in sorted(range(len(sizes)), key=lambda u: -sizes[u]):  # stable: ties in unit order
+        b = min(range(B), key=fill.__getitem__)
+        bins[b].append(u)
+        fill[b] += sizes[u]
+    return bins, fill
 
 
 def _packed_hidden(decoder: nn.Module, input_ids: torch.Tensor, packed: PackedRows,
