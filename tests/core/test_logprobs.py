@@ -432,12 +432,13 @@ def test_pack_rows_refuses_a_response_after_an_unattended_column():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("max_tokens", [None, 16])
+@pytest.mark.parametrize("max_tokens", [None, 16, 8])    # 8: group 0 (7 + 3 x 5) in parts
 @pytest.mark.parametrize("holes", [False, True])
 def test_packed_groups_share_their_prompt_and_equal_padded_rows(attn, max_tokens, holes):
-    """`pack_rows(groups=...)`: a group's prompt packed once, its rows' responses after it, each
-    attending to the prompt and itself (a 4D mask): the padded rows' log-probs, entropies and
-    gradients within 1e-5, with fewer tokens than packing every row's prompt."""
+    """`pack_rows(groups=...)`: a group's prompt packed once (once per part of a group longer
+    than a packed row), its rows' responses after it, each attending to the prompt and itself (a
+    4D mask): the padded rows' log-probs, entropies and gradients within 1e-5, with fewer tokens
+    than packing every row's prompt."""
     model = _tiny_qwen3()
     model.config._attn_implementation = attn
     ids, am, rm = _multiturn_batch() if holes else _padded_batch()

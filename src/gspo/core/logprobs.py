@@ -125,9 +125,10 @@ def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
               max_tokens: int | None = None, groups: torch.Tensor | None = None) -> PackedRows:
     """The packed layout of these rows (`PackedRows`). Units (a row; with ``groups`` [N] (CPU),
     rows of one id having the same prompt columns, a group: its prompt once, then its rows'
-    response tokens) are dealt longest first, each to the least filled of B packed rows (None:
-    one), so that they end alike and their padding tails are short: of B = ceil(tokens /
-    ``max_tokens``) down to rows of about 2 ``max_tokens``, the B computing the fewest positions. A row's attended columns must be contiguous (left-padded prompt, right-padded
+    response tokens; a group longer than ``max_tokens`` in parts, each with its prompt) are dealt
+    longest first, each to the least filled of B packed rows (None: one), so that they end alike
+    and their padding tails are short: of B = ceil(tokens / ``max_tokens``) down to rows of about
+    2 ``max_tokens``, the B computing the fewest positions. A row's attended columns must be contiguous (left-padded prompt, right-padded
     response). One host sync (the rows' spans)."""
     (N, L), T = attention_mask.shape, response_mask.shape[1]
     scored = response_mask.cpu().bool()  # [N, T] (host sync)
@@ -143,6 +144,8 @@ def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
         units = [u for u in units if u]
     cols = [keep[i].nonzero().squeeze(-1) for i in range(N)]  # each row's columns
     shared = groups is not None
+    if shared and max_tokens is not None:  # a group longer than a packed row: its prompt once per part
+        units = [part for u in units for part in _parts(u, cols, L - T, max_tokens)]
     split = [(cols[u[0]][cols[u[0]] < L - T], [cols[i][cols[i] >= L - T] for i in u]) if shared
              else (cols[u[0]], []) for u in units]  # (prompt or whole row, responses)
     sizes = [len(p) + sum(len(r) for r in rs) for p, rs in split]
@@ -185,6 +188,21 @@ def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
     device = attention_mask.device
     return PackedRows(index.to(device), positions.to(device), where.to(device), int((index >= 0).sum()),
                       None if attention is None else attention.to(device))
+
+
+def _parts(rows: list[int], cols: list[torch.Tensor], P: int, max_tokens: int) -> list[list[int]]:
+    """The rows of one group in consecutive parts of at most ``max_tokens`` tokens (the prompt's
+    P' columns and the rows' response columns; a row longer alone), each part with the prompt."""
+    prompt = int((cols[rows[0]] < P).sum())
+    parts, size = [[]], prompt
+    for i in rows:
+        n = int((cols[i] >= P).sum())
+        if parts[-1] and size + n > max_tokens:
+            parts.append([])
+            size = prompt
+        parts[-1].append(i)
+        size += n
+    return parts
 
 
 def _deal(sizes: list[int], B: int) -> tuple[list[list[int]], list[int]]:
