@@ -432,7 +432,7 @@ def test_pack_rows_refuses_a_response_after_an_unattended_column():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("max_tokens", [None, 16, 8])    # 8: group 0 (7 + 3 x 5) in parts
+@pytest.mark.parametrize("max_tokens", [None, 16, 8])    # 8: each group in parts of one row
 @pytest.mark.parametrize("holes", [False, True])
 def test_packed_groups_share_their_prompt_and_equal_padded_rows(attn, max_tokens, holes):
     """`pack_rows(groups=...)`: a group's prompt packed once (once per part of a group longer
@@ -459,5 +459,8 @@ def test_packed_groups_share_their_prompt_and_equal_padded_rows(attn, max_tokens
     _close(p_ent, ent)
     for a, b in zip(p_grads, grads):
         _close(a, b, atol=1e-5)
-    assert packed.real < pack_rows(am, rm).real
+    if max_tokens == 8:   # every part a single row: as many tokens as packing each row alone
+        assert packed.real == pack_rows(am, rm).real
+    else:
+        assert packed.real < pack_rows(am, rm).real
     assert packed.attention is not None and pack_rows(am, rm).attention is None
