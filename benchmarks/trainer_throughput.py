@@ -12,7 +12,8 @@ Layouts (``--layout``):
   restarting per sample, attention confined to each (``packed_logprobs``: flash-attention varlen
   on a GPU with flash-attn, a block-causal mask under sdpa);
 * ``padded``: the same samples as rows, prompts left-padded and responses right-padded to the
-  longest (``response_logprobs`` with column trimming: what gspo's RL passes run today).
+  longest (``response_logprobs`` with column trimming: the RL passes' layout under
+  train.pack_rows=false).
 
 Figures (medians over ``--steps`` measured steps after ``--warmup``):
 

@@ -194,7 +194,7 @@ def test_resolve_is_pure_and_labels_what_it_derives():
     assert (out.config.rollout.async_ratio, out.config.train.rollout_correction.mode,
             out.config.advantage.scale) == ("decoupled", "seq_tis", "group")
     assert sorted(out.derived) == ["advantage.scale", "rollout.async_ratio", "rollout.episode",
-                                   "train.rollout_correction.mode"]
+                                   "train.pack_rows", "train.rollout_correction.mode"]
     assert out.derived["train.rollout_correction.mode"].startswith("seq_tis (rollout.async_ratio")
     assert resolve(out.config, Environment()).derived == {}           # resolved: nothing left
     under_torchrun = resolve(cfg, Environment(world_size=2))     # the environment is an input

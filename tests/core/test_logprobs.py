@@ -4,8 +4,8 @@ import pytest
 import torch
 import transformers
 
-from gspo.core.logprobs import (naive_response_logprobs, packed_logprobs, position_ids_from_mask,
-                                 response_logprobs)
+from gspo.core.logprobs import (naive_response_logprobs, pack_rows, packed_logprobs,
+                                 packing_honoured, position_ids_from_mask, response_logprobs)
 
 V, PAD = 97, 0
 PROMPT_LENS = [5, 3, 7]  # left-padded to P = 7
@@ -343,3 +343,124 @@ def test_packed_row_equals_padded_rows(attn):
     response_logprobs(model, ids, attention_mask, response_mask, chunk_size=4).logp.sum().backward()
     for got, want in zip(grads, (p.grad for p in model.parameters())):
         _close(got, want, atol=1e-5)
+
+
+def _multiturn_batch():
+    """`_padded_batch` with observation holes: response tokens 2..3 of rows 0 and 2 are tool
+    output (attended, loss mask 0), and row 1's last two attended tokens come after its last
+    policy token (an observation that ends the episode)."""
+    ids, am, rm = _padded_batch()
+    L, T = am.shape[1], rm.shape[1]
+    rm = rm.clone()
+    rm[0, 2:4] = 0
+    rm[2, 2:3] = 0
+    am = am.clone()
+    am[1, L - T + 2 : L - T + 4] = 1                        # row 1: 2 response tokens, then 2 more
+    ids = ids.clone()
+    ids[1, L - T + 2 : L - T + 4] = torch.tensor([11, 12])
+    return ids, am, rm
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("max_tokens", [None, 6])        # one packed row | two (of 2 to 4 rows, two computes fewest)
+@pytest.mark.parametrize("holes", [False, True])
+def test_packed_rows_equal_padded_rows(attn, max_tokens, holes):
+    """`response_logprobs(packed=pack_rows(...))`: the log-probs, entropies and gradients of the
+    padded rows within 1e-5 in float32, for one packed row and for two (of 10 + 4 and 10 tokens:
+    a padding tail),
+    and for multi-turn rows whose loss mask has holes (every attended token up to the last
+    response token is fed, the tool output inside included)."""
+    model = _tiny_qwen3()
+    model.config._attn_implementation = attn
+    ids, am, rm = _multiturn_batch() if holes else _padded_batch()
+    packed = pack_rows(am, rm, max_tokens)
+    results = []
+    for layout in (None, packed):
+        model.zero_grad(set_to_none=True)
+        out = response_logprobs(model, ids, am, rm, chunk_size=5, packed=layout)
+        (out.logp.sum() + 0.3 * out.entropy.sum()).backward()
+        results.append((out.logp.detach(), out.entropy, [p.grad.clone() for p in model.parameters()]))
+    (logp, ent, grads), (p_logp, p_ent, p_grads) = results
+    _close(p_logp, logp)
+    _close(p_ent, ent)
+    for a, b in zip(p_grads, grads):
+        _close(a, b, atol=1e-5)
+    assert (p_logp[rm == 0] == 0).all()
+    # rows' tokens: prompt + response up to the last response token, less that token
+    reach = (rm * torch.arange(1, rm.shape[1] + 1)).amax(-1)
+    assert packed.real == int((am[:, : am.shape[1] - rm.shape[1]].sum(-1) + reach - 1).sum())
+    assert packed.index.shape[0] == (1 if max_tokens is None else 2)     # 2 x 14 < 3 x 10
+
+
+def test_packed_layout_counts_what_each_forward_computed():
+    """`DecoderLayout.tokens` / `needed`: padded rows compute rows × columns (trimmed: the span
+    some row needs), packed rows their own tokens and a padding tail; both need the same."""
+    model = _tiny_qwen3()
+    ids, am, rm = _padded_batch()                           # 3 rows, 9 + 9 columns
+    with torch.no_grad():
+        full = response_logprobs(model, ids, am, rm).layout
+        trim = response_logprobs(model, ids, am, rm, trim=True).layout
+        packed = response_logprobs(model, ids, am, rm, packed=pack_rows(am, rm)).layout
+    # rows: prompts 5, 3, 7 and responses 6, 2, 4 -> 10 + 4 + 10 = 24 tokens needed
+    assert int(full.needed) == int(trim.needed) == packed.needed == 24
+    assert full.tokens == 3 * 18
+    assert trim.tokens == 3 * (7 + 6 - 1)                   # longest prompt + response, less one
+    assert packed.tokens == 24
+
+
+def test_packing_honoured_by_the_presets_not_by_a_decoder_that_drops_positions():
+    """The tiny presets (Qwen3, Qwen3-MoE) read restarting positions as packed sequences under
+    sdpa and eager; a decoder that ignores `position_ids` attends across sequences: refused."""
+    from gspo.models.presets import build_model
+    for preset in ("tiny-dense", "tiny-moe"):
+        model, _ = build_model(preset, 0)
+        for attn in ("sdpa", "eager"):
+            model.config._attn_implementation = attn
+            assert packing_honoured(model) and packing_honoured(model, several_rows=False)
+    model = _tiny_qwen3()
+    forward = model.model.forward
+    model.model.forward = lambda position_ids=None, **kw: forward(**kw)  # noqa: E731
+    assert not packing_honoured(model)
+
+
+def test_pack_rows_refuses_a_response_after_an_unattended_column():
+    ids, am, rm = _padded_batch()
+    am = am.clone()
+    am[0, am.shape[1] - rm.shape[1]] = 0                    # row 0's first response column
+    with pytest.raises(ValueError, match="does not attend"):
+        pack_rows(am, rm)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("max_tokens", [None, 16, 8])    # 8: each group in parts of one row
+@pytest.mark.parametrize("holes", [False, True])
+def test_packed_groups_share_their_prompt_and_equal_padded_rows(attn, max_tokens, holes):
+    """`pack_rows(groups=...)`: a group's prompt packed once (once per part of a group longer
+    than a packed row), its rows' responses after it, each attending to the prompt and itself (a
+    4D mask): the padded rows' log-probs, entropies and gradients within 1e-5, with fewer tokens
+    than packing every row's prompt."""
+    model = _tiny_qwen3()
+    model.config._attn_implementation = attn
+    ids, am, rm = _multiturn_batch() if holes else _padded_batch()
+    rows = torch.tensor([0, 2, 0, 1, 2, 0])                           # groups share prompts
+    g = torch.Generator().manual_seed(6)
+    ids, am, rm = ids[rows].clone(), am[rows], rm[rows]
+    T = rm.shape[1]
+    ids[:, -T:] = torch.where(am[:, -T:].bool(), torch.randint(1, V, (len(rows), T), generator=g), PAD)
+    packed = pack_rows(am, rm, max_tokens, groups=rows)
+    results = []
+    for layout in (None, packed):
+        model.zero_grad(set_to_none=True)
+        out = response_logprobs(model, ids, am, rm, chunk_size=5, packed=layout)
+        (out.logp.sum() + 0.3 * out.entropy.sum()).backward()
+        results.append((out.logp.detach(), out.entropy, [p.grad.clone() for p in model.parameters()]))
+    (logp, ent, grads), (p_logp, p_ent, p_grads) = results
+    _close(p_logp, logp)
+    _close(p_ent, ent)
+    for a, b in zip(p_grads, grads):
+        _close(a, b, atol=1e-5)
+    if max_tokens == 8:   # every part a single row: as many tokens as packing each row alone
+        assert packed.real == pack_rows(am, rm).real
+    else:
+        assert packed.real < pack_rows(am, rm).real
+    assert packed.attention is not None and pack_rows(am, rm).attention is None

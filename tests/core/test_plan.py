@@ -94,13 +94,17 @@ def _weights(t: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in t.model.named_parameters()}
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
-def test_optimized_update_equals_the_plain_one(pair, preset):
+def test_optimized_update_equals_the_plain_one(pair, preset, pack):
     """Half the groups without signal, M = 2: same loss, gradient norm and weights as the plain
-    path (every row, one untrimmed forward per pass); π_old equal where both computed it; the
-    skipped rows are counted; MoE: the same routing metrics from the split forwards' layout."""
+    path (every row, one untrimmed padded forward per pass); π_old equal where both computed it;
+    the skipped rows are counted; MoE: the same routing metrics from the split forwards' layout
+    (padded: trimmed and prompt-shared; packed: each group's prompt packed once)."""
     fast, plain = pair(f"model.preset={preset}", "rollout.prompts_per_step=4", "rollout.group_size=4")
+    fast.step.passes.pack = pack
     plain.step.passes.split_forwards = False                  # no trimming, no shared prompts
+    plain.step.passes.pack = False                            # padded rows
     batch, rewards, _ = fast.collector.collect(0)
     batch_b, _, _ = plain.collector.collect(0)
     assert torch.equal(batch.input_ids, batch_b.input_ids)

@@ -7,13 +7,14 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from gspo.core.logprobs import response_logprobs
+from gspo.core.logprobs import pack_rows, response_logprobs
 from gspo.models.presets import build_model
 from gspo.models.moe import (
     capture_routing,
     expert_load,
     load_imbalance,
     moe_layers,
+    packed_routing,
     replay_routing,
     response_routing,
     router_aux_loss,
@@ -344,3 +345,67 @@ def test_trimmed_shared_forwards_lay_out_the_same_routing(shared):
     assert split_routing.shape == routing.shape == (N, ids.shape[1], 4, 2)
     scored = mask.bool()
     assert torch.equal(response_routing(split_routing, T)[scored], response_routing(routing, T)[scored])
+
+
+def test_packed_groups_capture_lays_out_each_rows_experts():
+    """Packed groups (a prompt once for its rows) under a capture: each row gets its group's
+    prompt experts and its own response experts, those of the padded pass at every scored
+    position."""
+    model, tok = _tiny_moe()
+    ids, attn, mask = _batch(tok)
+    rows = torch.tensor([0, 2, 0, 1, 2, 0])
+    g = torch.Generator().manual_seed(3)
+    ids, attn, mask = ids[rows].clone(), attn[rows].clone(), mask[rows].clone()
+    T = mask.shape[1]
+    ids[:, -T:] = torch.where(mask.bool(), torch.randint(4, len(tok), (len(rows), T), generator=g), 0)
+    with torch.no_grad():
+        with capture_routing(model) as padded_cap:
+            response_logprobs(model, ids, attn, mask)
+        with capture_routing(model) as packed_cap:
+            packed_cap.layout = response_logprobs(model, ids, attn, mask,
+                                                  packed=pack_rows(attn, mask, 16, rows)).layout
+    scored = mask.bool()
+    assert torch.equal(response_routing(packed_cap.routing, T)[scored],
+                       response_routing(padded_cap.routing, T)[scored])
+
+
+@pytest.mark.parametrize("max_tokens", [None, 14])   # one packed row | several, with tails
+def test_packed_rows_capture_and_replay_line_up_token_by_token(max_tokens):
+    """Packed rows under a capture lay out the padded pass's experts at every scored position;
+    under replay (routers moved since the capture, so live routing differs) the packed pass,
+    replaying the stored [N, L] experts laid out as its packed rows, gives the padded replay's
+    log-probs and gradients within 1e-5 in float32; experts captured packed replay in a padded
+    pass alike. Multi-turn: an observation hole inside row 0's response."""
+    model, tok = _tiny_moe()
+    ids, attn, mask = _batch(tok)
+    mask = mask.clone()
+    mask[0, 1:3] = 0                                   # tool output: attended, not scored
+    packed = pack_rows(attn, mask, max_tokens)
+    assert (packed.index.shape[0] == 1) == (max_tokens is None)
+    with torch.no_grad():
+        with capture_routing(model) as padded_cap:
+            response_logprobs(model, ids, attn, mask)
+        with capture_routing(model) as packed_cap:
+            packed_cap.layout = response_logprobs(model, ids, attn, mask, packed=packed).layout
+    T, scored = mask.shape[1], mask.bool()
+    stored, stored_packed = padded_cap.routing, packed_cap.routing      # [N, L, layers, k]
+    assert stored_packed.shape == stored.shape
+    assert torch.equal(response_routing(stored_packed, T)[scored], response_routing(stored, T)[scored])
+    _perturb_routers(model)
+
+    def replayed(routing, layout):
+        model.zero_grad(set_to_none=True)
+        forced = routing if layout is None else packed_routing(routing, layout)
+        with replay_routing(model, forced) as live:
+            out = response_logprobs(model, ids, attn, mask, packed=layout)
+        (out.logp.sum() + 0.3 * out.entropy.sum()).backward()
+        return out.logp.detach(), [p.grad.clone() for p in model.parameters()], live
+
+    logp, grads, live = replayed(stored, None)
+    for routing, layout in ((stored, packed), (stored_packed, packed), (stored_packed, None)):
+        p_logp, p_grads, _ = replayed(routing, layout)
+        torch.testing.assert_close(p_logp, logp, atol=1e-5, rtol=1e-5)
+        for a, b in zip(p_grads, grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    changed = response_routing(live.routing, T)[scored] != response_routing(stored, T)[scored]
+    assert changed.any()                               # the replay forced experts the router moved off

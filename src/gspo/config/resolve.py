@@ -17,7 +17,9 @@ always refused for the same one. Derived (``Resolved.derived``, key -> why):
   underflow; the loss is scaled dynamically, gspo.training.loss_scale);
 * ``rollout.async_worker``: unset under ``rollout.placement=ray`` with ``rollout.async`` ->
   thread (the generators are the worker's sampler; a process worker would start its own);
-* ``rollout.episode``: unset -> tool_loop when ``multiturn.env`` is set, else single_turn.
+* ``rollout.episode``: unset -> tool_loop when ``multiturn.env`` is set, else single_turn;
+* ``train.pack_rows``: unset -> true on a CPU (exact, and measured faster there), false on a GPU
+  (not measured) or with ``moe.aux_loss_coef > 0`` (refused when set).
 
 This module does not read files or the environment, and builds nothing.
 """
@@ -29,6 +31,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from pydantic import BaseModel, ValidationError
 
 from gspo import envs, tasks
@@ -48,11 +51,13 @@ class Environment:
 
     world_size: int = 1
     """Processes in the torchrun group (1 without torchrun)."""
+    cuda: bool = False
+    """A CUDA device is available (model.device=auto then trains on it)."""
 
     @classmethod
     def of_process(cls) -> "Environment":
-        """This process's: ``WORLD_SIZE`` as torchrun sets it."""
-        return cls(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        """This process's: ``WORLD_SIZE`` as torchrun sets it, and whether CUDA is available."""
+        return cls(world_size=int(os.environ.get("WORLD_SIZE", "1")), cuda=torch.cuda.is_available())
 
 
 @dataclass
@@ -129,6 +134,19 @@ def float16(out: Resolved, env: Environment) -> None:
     elif c.train.master_weights != "float32":
         raise ValueError("model.dtype=float16 trains with train.master_weights=float32 (float16 "
                          "AdamW moments underflow: its eps 1e-8 is 0 in float16)")
+
+
+def packed_rows(out: Resolved, env: Environment) -> None:
+    c = out.config
+    aux = c.moe.aux_loss_coef > 0
+    if c.train.pack_rows is None:
+        gpu = c.model.device.startswith("cuda") or (c.model.device == "auto" and env.cuda)
+        why = ("moe.aux_loss_coef > 0" if aux else "a GPU: not measured there" if gpu
+               else "a CPU: exact and faster there, docs/performance.md")
+        derive(out, "train.pack_rows", not (aux or gpu), why)
+    elif c.train.pack_rows and aux:
+        raise ValueError("train.pack_rows does not work with moe.aux_loss_coef > 0 (the router "
+                         "loss averages over every attended column of the padded rows)")
 
 
 def routing_replay_old(out: Resolved, env: Environment) -> None:
@@ -376,7 +394,7 @@ def multiturn(out: Resolved, env: Environment) -> None:
 
 
 RULES: tuple[Callable[[Resolved, Environment], None], ...] = (
-    advantage_scale, minibatches, float16, routing_replay_old, engine, rollout_correction,
+    advantage_scale, minibatches, float16, packed_rows, routing_replay_old, engine, rollout_correction,
     async_rollout, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn,
     episode)
 """The rules in the order they run."""

@@ -59,6 +59,10 @@ class TrainLoopConfig(Section):
     """dynamic_sampling: extra generation rounds at most per step."""
     max_tokens_per_microbatch: int | None = Field(None, ge=1)
     """Tokens (padding included) of one forward/backward: a minibatch's rows grouped by length into micro-batches, gradients summed (None: one per minibatch)."""
+    pack_rows: bool | None = None
+    """Log-prob passes on packed rows: no padding, attention confined per row (None: on a CPU without the MoE aux loss); docs/performance.md."""
+    pack_length: int | None = Field(128, ge=1)
+    """pack_rows: tokens per packed row under sdpa/eager attention (a longer row alone; None: one per forward, as flash-attention)."""
     logprob_chunk: int = Field(1024, ge=1)
     """Tokens per chunk when computing log-probs (bounds memory on large vocabularies)."""
     activation_checkpointing: bool = False

@@ -12,12 +12,18 @@ runs through the decoder once and its KV cache is gathered to the rows of its gr
 the decoder skips columns no response token depends on: left-padding columns of every row, response
 columns after the last response token of every row, and the last column (it predicts nothing).
 
-`packed_logprobs` scores one packed row (sequences back to back, positions restarting per
-sequence, attention confined to each): the layout of the trainer-only throughput benchmark.
+With `packed` (`pack_rows`, the trainer's `train.pack_rows`) the rows run instead as packed rows:
+each row's tokens up to its last response token back to back without padding, positions
+restarting per row, attention confined to each row (transformers reads restarting position ids
+with no attention mask as packed sequences: flash-attention varlen for one packed row, a
+block-causal mask under sdpa / eager / flex; `packing_honoured` checks a model does). With
+groups, a group's prompt is packed once and its rows' responses after it, each attending to the
+prompt and itself through a 4D mask (sdpa / eager; not flash-attention).
+`packed_logprobs` scores one packed row of arbitrary sequences: the layout of the trainer-only
+throughput benchmark.
 
-What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no sequence
-packing inside `response_logprobs` (the RL passes run padded rows), no KL or loss; the decoder body runs unchanged (use the model's own
-gradient checkpointing for its activations). Head transforms handled: Cohere `logit_scale`,
+What it deliberately is not: no fused/Triton kernel, no vocabulary-parallel head, no KL or loss;
+the decoder body runs unchanged (use the model's own gradient checkpointing for its activations). Head transforms handled: Cohere `logit_scale`,
 Gemma `final_logit_softcapping`; a config with `logits_scaling` (Granite, MiniCPM3, ...) is
 refused rather than silently mis-scored. Parallel wrappers (DDP, FSDP) must be unwrapped by the
 caller: this calls the decoder and the head directly, not the wrapper's `forward` (wrap a module
@@ -55,7 +61,8 @@ class DecoderLayout:
 
     They covered columns ``start .. stop-1`` of the L input columns (`trim`). With shared prompts
     there were two: the first ``prefix`` of those columns for one row per group, then the others
-    for all N rows, row i's prompt coming from row ``prefix_rows[i]`` of the first; else one.
+    for all N rows, row i's prompt coming from row ``prefix_rows[i]`` of the first; else one
+    (``packed``: over packed rows).
     """
 
     length: int
@@ -63,6 +70,194 @@ class DecoderLayout:
     stop: int
     prefix: int = 0
     prefix_rows: torch.Tensor | None = None  # [N]
+    packed: PackedRows | None = None
+    """The rows ran packed: one forward over [B, S] columns, laid out as [N, L] by `PackedRows`."""
+    tokens: int = 0
+    """Positions the decoder computed, all its forwards (rows × columns)."""
+    needed: torch.Tensor | int = 0
+    """Of those, the positions some row's scored tokens depend on (`row_spans`); the rest is padding."""
+
+
+@dataclass
+class PackedRows:
+    """N padded rows [N, L] as B packed rows of S columns: each row's attended tokens up to its
+    last response token (exclusive: that token predicts nothing) back to back, positions
+    restarting at 0 per row, and after the last row of a packed row a padding tail (a sequence of
+    its own, never scored). transformers reads restarting `position_ids` with no attention mask as
+    packed sequences (`packing_honoured`). With shared prompts, a group's prompt is packed once and
+    followed by each of its rows' response tokens, and ``attention`` says who attends to whom."""
+
+    index: torch.Tensor  # [B, S] the padded column i·L + c whose token each packed column is; -1: tail
+    position_ids: torch.Tensor  # [B, S]
+    where: torch.Tensor  # [N, L] the flat packed position b·S + s computing each padded column; -1: none
+    real: int  # packed columns that are not tail padding
+    attention: torch.Tensor | None = None
+    """[B, S, S] bool, query column attends key column (shared prompts: each response attends to its
+    group's prompt and itself, causally); None: each row alone, read from the restarting positions."""
+
+    def gather(self, x: torch.Tensor, fill: torch.Tensor | float = 0) -> torch.Tensor:
+        """[B, S, ...] the packed layout of x [N, L, ...]; ``fill`` at the tail padding."""
+        index = self.index.to(x.device)
+        out = x.flatten(0, 1)[index.clamp(min=0)]  # [B, S, ...]
+        valid = (index >= 0).view(*index.shape, *[1] * (x.dim() - 2))
+        return torch.where(valid, out, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
+
+    def scatter(self, y: torch.Tensor, fill: torch.Tensor | float = 0) -> torch.Tensor:
+        """[N, L, ...] the padded layout of y [B, S, ...]: each column the packed column that
+        computed it (a shared prompt's to every row of its group); ``fill`` where none did."""
+        where = self.where.to(y.device)
+        out = y.flatten(0, 1)[where.clamp(min=0)]  # [N, L, ...]
+        valid = (where >= 0).view(*where.shape, *[1] * (y.dim() - 2))
+        return torch.where(valid, out, torch.as_tensor(fill, dtype=y.dtype, device=y.device))
+
+
+def row_spans(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[N, L] bool: the columns a row's response log-probs depend on: the attended ones before its
+    last response token (tool outputs between turns included; no device sync)."""
+    L, T = attention_mask.shape[1], response_mask.shape[1]
+    cols = torch.arange(1, T + 1, device=response_mask.device)
+    reach = (response_mask.bool() * cols).amax(-1)  # [N] response columns up to the last token
+    end = L - T + reach - 1  # [N] exclusive: the last response token predicts nothing
+    return attention_mask.bool() & (torch.arange(L, device=end.device) < end[:, None])  # [N, L]
+
+
+def pack_rows(attention_mask: torch.Tensor, response_mask: torch.Tensor,
+              max_tokens: int | None = None, groups: torch.Tensor | None = None) -> PackedRows:
+    """The packed layout of these rows (`PackedRows`). Units (a row; with ``groups`` [N] (CPU),
+    rows of one id having the same prompt columns, a group: its prompt once, then its rows'
+    response tokens; a group longer than ``max_tokens`` in parts, each with its prompt) are dealt
+    longest first, each to the least filled of B packed rows (None: one), so that they end alike
+    and their padding tails are short: of B = ceil(tokens / ``max_tokens``) down to rows of about
+    2 ``max_tokens``, the B computing the fewest positions. A row's attended columns must be contiguous (left-padded prompt, right-padded
+    response). One host sync (the rows' spans)."""
+    (N, L), T = attention_mask.shape, response_mask.shape[1]
+    scored = response_mask.cpu().bool()  # [N, T] (host sync)
+    keep = row_spans(attention_mask.cpu(), scored)  # [N, L]
+    if not keep[:, L - T - 1 : L - 1][scored].all():
+        raise ValueError("pack_rows: a response token follows a column the row does not attend to")
+    live = (keep.sum(-1) > 0).tolist()  # a row without response token: nothing to score
+    if groups is None:
+        units = [[i] for i in range(N) if live[i]]
+    else:
+        ids = groups.tolist()
+        units = [[i for i in range(N) if ids[i] == g and live[i]] for g in dict.fromkeys(ids)]
+        units = [u for u in units if u]
+    cols = [keep[i].nonzero().squeeze(-1) for i in range(N)]  # each row's columns
+    shared = groups is not None
+    if shared and max_tokens is not None:  # a group longer than a packed row: its prompt once per part
+        units = [part for u in units for part in _parts(u, cols, L - T, max_tokens)]
+    split = [(cols[u[0]][cols[u[0]] < L - T], [cols[i][cols[i] >= L - T] for i in u]) if shared
+             else (cols[u[0]], []) for u in units]  # (prompt or whole row, responses)
+    sizes = [len(p) + sum(len(r) for r in rs) for p, rs in split]
+    total = sum(sizes)
+    if max_tokens is None:
+        bins, fill = _deal(sizes, 1)
+    else:  # ceil(total / max_tokens) rows or fewer, down to rows of 2 max_tokens: the fewest positions
+        counts = range(max(1, -(-total // (2 * max_tokens))), max(1, -(-total // max_tokens)) + 1)
+        bins, fill = min((_deal(sizes, B) for B in reversed(counts)), key=lambda d: sum(map(bool, d[0])) * max(d[1]))
+    bins = [us for us in bins if us] or [[]]
+    S = max(max(fill), 1)
+    index = torch.full((len(bins), S), -1, dtype=torch.long)  # [B, S]
+    positions, unit, branch = torch.zeros_like(index), torch.zeros_like(index), torch.zeros_like(index)
+    where = torch.full((N, L), -1, dtype=torch.long)  # [N, L]
+    for b, us in enumerate(bins):
+        at = 0
+        for u in sorted(us):
+            prompt, responses = split[u]
+            n = len(prompt)
+            index[b, at:at + n] = units[u][0] * L + prompt
+            positions[b, at:at + n] = torch.arange(n)
+            unit[b, at:at + n] = u
+            for i in units[u]:  # a shared prompt computes every row's prompt columns
+                where[i, prompt] = b * S + at + torch.arange(n)
+            at += n
+            for j, (i, r) in enumerate(zip(units[u], responses)):  # shared prompts: each response
+                index[b, at:at + len(r)] = i * L + r
+                positions[b, at:at + len(r)] = n + torch.arange(len(r))  # after the prompt's n
+                unit[b, at:at + len(r)] = u
+                branch[b, at:at + len(r)] = j + 1
+                where[i, r] = b * S + at + torch.arange(len(r))
+                at += len(r)
+        positions[b, at:] = torch.arange(S - at)  # the tail: a sequence of its own
+        unit[b, at:] = -1 - torch.arange(S - at)  # (each column alone, for ``attention``)
+    attention = None
+    if shared:  # [B, S, S] same unit, causal, and the prompt (branch 0) or the same response
+        q, k = (slice(None), slice(None), None), (slice(None), None, slice(None))
+        attention = ((unit[q] == unit[k]) & (torch.arange(S)[None, None] <= torch.arange(S)[None, :, None])
+                     & ((branch[k] == 0) | (branch[k] == branch[q])))
+    device = attention_mask.device
+    return PackedRows(index.to(device), positions.to(device), where.to(device), int((index >= 0).sum()),
+                      None if attention is None else attention.to(device))
+
+
+def _parts(rows: list[int], cols: list[torch.Tensor], P: int, max_tokens: int) -> list[list[int]]:
+    """The rows of one group in consecutive parts of at most ``max_tokens`` tokens (the prompt's
+    P' columns and the rows' response columns; a row longer alone), each part with the prompt."""
+    prompt = int((cols[rows[0]] < P).sum())
+    parts, size = [[]], prompt
+    for i in rows:
+        n = int((cols[i] >= P).sum())
+        if parts[-1] and size + n > max_tokens:
+            parts.append([])
+            size = prompt
+        parts[-1].append(i)
+        size += n
+    return parts
+
+
+def _deal(sizes: list[int], B: int) -> tuple[list[list[int]], list[int]]:
+    """Units of these sizes dealt longest first, each to the least filled of B rows: (rows, fills)."""
+    bins: list[list[int]] = [[] for _ in range(B)]
+    fill = [0] * B
+    for u in sorted(range(len(sizes)), key=lambda u: -sizes[u]):  # stable: ties in unit order
+        b = min(range(B), key=fill.__getitem__)
+        bins[b].append(u)
+        fill[b] += sizes[u]
+    return bins, fill
+
+
+def _packed_hidden(decoder: nn.Module, input_ids: torch.Tensor, packed: PackedRows,
+                   **forward_kwargs) -> torch.Tensor:
+    """Hidden states [B, S, H] of the rows [N, L] packed as ``packed``: one decoder forward, no
+    attention mask (restarting positions) or the 4D mask of shared prompts."""
+    mask = None
+    if packed.attention is not None:  # additive [B, 1, S, S]: 0 where attended, else the dtype's min
+        dtype = next(decoder.parameters()).dtype
+        mask = torch.zeros(packed.attention.shape, dtype=dtype, device=input_ids.device)
+        mask = mask.masked_fill_(~packed.attention.to(input_ids.device), torch.finfo(dtype).min)[:, None]
+    out = decoder(input_ids=packed.gather(input_ids), position_ids=packed.position_ids.to(input_ids.device),
+                  attention_mask=mask, use_cache=False, **forward_kwargs)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, S, H]
+
+
+def packing_honoured(model: nn.Module, several_rows: bool = True, shared: bool = False) -> bool:
+    """Whether the model's decoder gives each row of a packed layout the hidden states of that row
+    alone: 4 ragged rows (2 prompts, 2 responses each) packed by `pack_rows` in one packed row or,
+    with ``several_rows``, in several with padding tails; with ``shared``, each prompt once."""
+    decoder, _ = decoder_and_head(model)
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, vocab, (n,), generator=g) for n in (3, 2)]
+    ids, am, rm = torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, 3)
+    for i, (p, r) in enumerate([(0, 2), (0, 3), (1, 1), (1, 2)]):
+        n = len(prompts[p])
+        ids[i, 3 - n:3], ids[i, 3:3 + r] = prompts[p], torch.randint(1, vocab, (r,), generator=g)
+        am[i, 3 - n:3 + r], rm[i, :r] = 1, 1
+    packed = pack_rows(am, rm, 8 if several_rows else None, torch.tensor([0, 0, 1, 1]) if shared else None)
+    ids = ids.to(device)
+    keep = row_spans(am, rm)  # [4, 6]
+    with torch.no_grad():
+        hidden = _packed_hidden(decoder, ids, packed).flatten(0, 1)  # [B·S, H]
+        for i in range(4):
+            cols = keep[i].nonzero().squeeze(-1)
+            out = decoder(input_ids=ids[i, cols.to(device)][None], attention_mask=None, use_cache=False,
+                          position_ids=torch.arange(len(cols), device=device)[None])
+            alone = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [1, n, H]
+            got = hidden[packed.where[i, cols.to(packed.where.device)].to(hidden.device)]
+            if not torch.allclose(got.float(), alone[0].float(), atol=1e-2, rtol=1e-2):
+                return False
+    return True
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -261,6 +456,7 @@ def response_logprobs(
     entropy_grad: bool = False,
     prompt_groups: torch.Tensor | None = None,
     trim: bool = False,
+    packed: PackedRows | None = None,
     **forward_kwargs,
 ) -> TokenLogProbs:
     """logp[i, t] = log softmax(logits / τ)[L-T+t-1] at input_ids[i, L-T+t], chunked over tokens.
@@ -273,8 +469,15 @@ def response_logprobs(
     same values up to float rounding; one host sync). Both split or cut the forward: under a MoE
     routing capture, lay out what it recorded by the returned `layout` (`RoutingCapture.layout`);
     not under routing replay, which forces the experts of every row and column of one forward.
+    `packed` (`pack_rows`): run the decoder once on the rows packed without padding instead
+    (`prompt_groups` and `trim` are then not used); same values up to float rounding. Under a
+    routing replay, replay ``packed.gather(routing)``.
     """
     T = _check_layout(input_ids, response_mask)
+    if packed is not None:
+        return _packed_rows_logprobs(model, input_ids, response_mask, packed, temperature=temperature,
+                                     chunk_size=chunk_size, with_entropy=with_entropy,
+                                     entropy_grad=entropy_grad, **forward_kwargs)
     decoder, head = decoder_and_head(model)
     L, a, b, T_kept = input_ids.shape[1], 0, input_ids.shape[1], 0
     if trim and not forward_kwargs:  # per-position kwargs (MoE routing replay) need every column
@@ -299,7 +502,41 @@ def response_logprobs(
         entropy_grad=entropy_grad,
     )
     entropy = _unpack(ent_k, mask, T) if with_entropy else None  # [N, T]
-    layout = DecoderLayout(L, a, b, P, prefix_rows)
+    layout = _padded_layout(attention_mask, response_mask, a, b, P, prefix_rows, prompt_groups)
+    return TokenLogProbs(logp=_unpack(logp_k, mask, T), entropy=entropy, layout=layout)  # [N, T]
+
+
+def _padded_layout(attention_mask: torch.Tensor, response_mask: torch.Tensor, a: int, b: int, P: int,
+                   prefix_rows: torch.Tensor | None, groups: torch.Tensor | None) -> DecoderLayout:
+    """The layout of padded forwards over columns a..b-1 (the first P once per group), with the
+    positions they computed and those the rows need (no device sync)."""
+    N, L = attention_mask.shape
+    keep = row_spans(attention_mask, response_mask)[:, a:b]  # [N, b-a]
+    if prefix_rows is None:
+        return DecoderLayout(L, a, b, tokens=N * (b - a), needed=keep.sum())
+    U = len(torch.unique(groups))  # rows of the prompt forward
+    prompt = torch.zeros(U, dtype=torch.long, device=keep.device).scatter_(
+        0, prefix_rows.to(keep.device), keep[:, :P].sum(-1))  # [U] each group's prompt tokens
+    return DecoderLayout(L, a, b, P, prefix_rows, tokens=U * P + N * (b - a - P),
+                         needed=prompt.sum() + keep[:, P:].sum())
+
+
+def _packed_rows_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, response_mask: torch.Tensor, packed: PackedRows, *,
+    temperature: float, chunk_size: int, with_entropy: bool, entropy_grad: bool, **forward_kwargs
+) -> TokenLogProbs:
+    """`response_logprobs` of the rows laid out as ``packed``: one decoder forward over [B, S]."""
+    decoder, head = decoder_and_head(model)
+    (N, L), T = input_ids.shape, response_mask.shape[1]
+    hidden = _packed_hidden(decoder, input_ids, packed, **forward_kwargs)  # [B, S, H]
+    mask = response_mask.bool()  # [N, T]
+    at = packed.where.to(hidden.device)[:, L - T - 1 : L - 1][mask]  # [K] the column predicting each
+    logp_k, ent_k = _packed_logprobs(
+        head, _logit_transform(model), hidden.flatten(0, 1)[at],  # [K, H]
+        input_ids[:, L - T :][mask], temperature=temperature, chunk_size=chunk_size,  # [K]
+        with_entropy=with_entropy, entropy_grad=entropy_grad)
+    entropy = _unpack(ent_k, mask, T) if with_entropy else None  # [N, T]
+    layout = DecoderLayout(L, 0, L, packed=packed, tokens=packed.index.numel(), needed=packed.real)
     return TokenLogProbs(logp=_unpack(logp_k, mask, T), entropy=entropy, layout=layout)  # [N, T]
 
 

@@ -85,8 +85,9 @@ def minibatch_seed(run_seed: int, step: int) -> int:
 
 # ------------------------------------------------------------------------- tokens computed
 # A forward over rows pads each to the longest prompt (left) and the longest response (right) among
-# them (the columns no row uses are trimmed, gspo.core.logprobs.trim_columns): it computes
-# rows × (max prompt + max response) tokens, of which Σ (prompt + response) are real.
+# them (the columns no row uses are trimmed, gspo.core.logprobs.trim_columns): about rows × (max
+# prompt + max response) tokens, the budget's measure. What the passes computed is counted by the
+# forwards themselves (gspo.core.logprobs.DecoderLayout.tokens, perf/padding_frac).
 
 
 def forward_tokens(prompt_lens: Tensor, response_lens: Tensor) -> int:
@@ -94,15 +95,6 @@ def forward_tokens(prompt_lens: Tensor, response_lens: Tensor) -> int:
     if not len(prompt_lens):
         return 0
     return len(prompt_lens) * int(prompt_lens.max() + response_lens.max())
-
-
-def computed_tokens(prompt_lens: Tensor, response_lens: Tensor, forwards: list[Tensor]
-                    ) -> tuple[int, int]:
-    """(tokens computed, padding included; real tokens) of ``forwards``, each a set of rows run
-    as one forward (lengths [N] CPU)."""
-    computed = sum(forward_tokens(prompt_lens[r], response_lens[r]) for r in forwards)
-    real = sum(int((prompt_lens[r] + response_lens[r]).sum()) for r in forwards)
-    return computed, real
 
 
 def token_microbatches(prompt_lens: Tensor, response_lens: Tensor, budget: int) -> list[Tensor]:

@@ -174,11 +174,24 @@ class RoutingCapture:
         return tuple(torch.cat(calls, dim=0) for calls in self._logits)
 
 
+def packed_routing(routing: torch.Tensor, packed) -> torch.Tensor:
+    """[B, S, layers, k]: stored experts [N, L, layers, k] laid out as packed rows (``packed``, a
+    `logprobs.PackedRows`), for `replay_routing` of a packed forward; experts 0..k-1 at the tails."""
+    k = routing.shape[-1]
+    return packed.gather(routing, torch.arange(k, dtype=routing.dtype, device=routing.device))
+
+
 def layout_routing(forwards: list[torch.Tensor], layout, k: int) -> torch.Tensor:
     """[N, L, layers, k] from the forwards of one `response_logprobs` call (``layout``, a
     `logprobs.DecoderLayout`): the shared prompt forward's rows gathered to every row, then the
     other columns; columns outside ``start .. stop-1`` (padding in every row, or past every
-    response) get experts 0..k-1, like the unfed tail of `generated_routing`. They are never scored."""
+    response) get experts 0..k-1, like the unfed tail of `generated_routing`. They are never scored.
+    Packed rows (``layout.packed``): each packed column put back at its row and column, the
+    others filled likewise."""
+    fill = torch.arange(k, dtype=forwards[0].dtype, device=forwards[0].device)
+    if layout.packed is not None:
+        (routing,) = forwards                      # [B, S, layers, k]
+        return layout.packed.scatter(routing, fill)  # [N, L, layers, k]
     if layout.prefix_rows is not None:
         prefix, rest = forwards                    # [U, P, layers, k], [N, S, layers, k]
         routing = torch.cat([prefix[layout.prefix_rows.to(prefix.device)], rest], dim=1)  # [N, P + S, ...]
@@ -187,7 +200,6 @@ def layout_routing(forwards: list[torch.Tensor], layout, k: int) -> torch.Tensor
     N, S, layers, _ = routing.shape
     if S != layout.stop - layout.start:
         raise RuntimeError(f"routing capture: {S} columns captured, the layout says {layout.stop - layout.start}")
-    fill = torch.arange(k, dtype=routing.dtype, device=routing.device)
     left = fill.expand(N, layout.start, layers, k)
     right = fill.expand(N, layout.length - layout.stop, layers, k)
     return torch.cat([left, routing, right], dim=1)  # [N, L, layers, k]

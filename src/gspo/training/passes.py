@@ -8,10 +8,15 @@ audit record, the critic's KL). What it hides from the step:
 * **Speed paths** (exact, docs/results/performance/speed-paths.md): rows without signal skip their forward (they
   enter the loss with log π_θ = log π_old, ratio 1, Â = 0); the first minibatch's π_old is its own
   detached forward (π_θ = π_old before the first optimizer step); rows whose groups share a
-  prompt run the prompt once; padding columns no response depends on are trimmed.
+  prompt run the prompt once; padding columns no response depends on are trimmed. Or, under
+  ``train.pack_rows``, every pass runs its rows packed without padding
+  (``gspo.core.logprobs.pack_rows``; a group's prompt packed once, when prompts may be shared).
 * **MoE routing** (docs/moe.md): the experts π_old chose are captured in the old-log-prob pass,
   or at generation, and replayed when π_θ is computed (``moe.routing_replay``); otherwise they
-  are captured for the routing metrics (``moe/*``) and the router's load-balancing loss.
+  are captured for the routing metrics (``moe/*``) and the router's load-balancing loss. Stored
+  per padded column [N, L]; a packed forward replays them laid out as its packed rows.
+* **Tokens computed**: the update's forwards count the positions they computed and those the
+  rows need (``take_tokens``, for ``perf/padding_frac``).
 * **Ranks**: under FSDP a forward is a collective, so none is split or skipped per rank.
 
 This module computes no loss; the step (``gspo.training.step``) does.
@@ -28,6 +33,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from gspo.core.logprobs import PackedRows, pack_rows, packing_honoured
 from gspo.models import moe
 from gspo.rollout.generate import RolloutBatch
 
@@ -79,7 +85,7 @@ class LogprobPasses:
 
     def __init__(self, model: torch.nn.Module, forwards: Forwards, *, temperature: float,
                  chunk_size: int, group_size: int, entropy_grad: bool, routing_replay: str,
-                 aux_loss: bool):
+                 aux_loss: bool, pack: bool = False, pack_length: int | None = None):
         self.model, self.forwards = model, forwards
         self.temperature, self.chunk_size, self.group_size = temperature, chunk_size, group_size
         self.entropy_grad, self.routing_replay, self.aux_loss = entropy_grad, routing_replay, aux_loss
@@ -90,13 +96,55 @@ class LogprobPasses:
         """Whether a log-prob pass may run as a trimmed and prompt-shared set of forwards. MoE: only
         when the routing is just captured (its forwards are laid out again, ``cap.layout``), not
         replayed, nor needed in one piece for the aux loss."""
+        self.pack, self.pack_length = pack, pack_length
+        attn = str(getattr(model.config, "_attn_implementation", None) or "")
+        self.pack_shared = not attn.startswith("flash")
+        """Whether a packed pass may pack a group's prompt once (a 4D mask: not flash-attention)."""
+        if pack:
+            if aux_loss:
+                raise ValueError("train.pack_rows does not work with moe.aux_loss_coef > 0 (the "
+                                 "router loss averages over every attended column of padded rows)")
+            if not self.pack_shared:  # varlen from position ids: one packed row only
+                self.pack_length = None
+            if not (packing_honoured(model, several_rows=self.pack_length is not None)
+                    and (not self.pack_shared or packing_honoured(model, self.pack_length is not None,
+                                                                  shared=True))):
+                raise ValueError(f"train.pack_rows: {type(model).__name__} under attention {attn!r} "
+                                 f"does not confine attention to each packed row; set it false")
+        self.tokens = [0, 0]
+        """Positions the update's forwards computed, and those their rows needed, since ``take_tokens``."""
+
+    def packing(self, batch: RolloutBatch, rows: Tensor | None = None) -> PackedRows | None:
+        """The packed layout of the batch's rows under ``train.pack_rows`` (one host sync), else
+        None. ``rows`` (CPU, as in ``logprobs``): each group's prompt packed once, when prompts may
+        be shared (not under routing replay or fsdp, nor flash-attention: it takes no 4D mask)."""
+        if not self.pack:
+            return None
+        share = (rows is not None and self.split_forwards and self.forwards.policy is None
+                 and self.pack_shared)
+        return pack_rows(batch.attention_mask, batch.response_mask, self.pack_length,
+                         groups=rows // self.group_size if share else None)
+
+    def take_tokens(self) -> tuple[int, int]:
+        """(positions computed, positions needed) by the update's forwards since the last call."""
+        computed, needed = self.tokens
+        self.tokens = [0, 0]
+        return computed, int(needed)
 
     def logprobs(self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False,
-                 rows: Tensor | None = None):
+                 rows: Tensor | None = None, packed: PackedRows | None = None):
         """``response_logprobs`` of ``model`` (through the FSDP root when sharded). ``rows``: the
         batch's rows in the rollout batch (CPU), whose groups of G share a prompt: each prompt then
         runs once (not under fsdp, whose forwards are collectives that every rank must run alike).
-        Padding columns no response token depends on are trimmed. Both only when ``split_forwards``."""
+        Padding columns no response token depends on are trimmed. Both only when ``split_forwards``.
+        Under ``train.pack_rows`` the rows run packed instead (``packed``, or laid out here), each
+        group's prompt once under the same conditions."""
+        if self.pack:
+            return self.forwards.logprobs(model, batch.input_ids, batch.attention_mask,
+                                          batch.response_mask, temperature=self.temperature,
+                                          chunk_size=self.chunk_size, with_entropy=with_entropy,
+                                          entropy_grad=self.entropy_grad,
+                                          packed=packed or self.packing(batch, rows))
         split = self.split_forwards
         shared = rows is not None and split and self.forwards.policy is None
         groups = rows // self.group_size if shared else None
@@ -106,10 +154,13 @@ class LogprobPasses:
                                       entropy_grad=self.entropy_grad, prompt_groups=groups,
                                       trim=split)
 
-    def routing_context(self, batch: RolloutBatch, keep_logits: bool = False):
-        """Replay the batch's stored experts when configured, else just capture (MoE) or nothing."""
+    def routing_context(self, batch: RolloutBatch, keep_logits: bool = False,
+                        packed: PackedRows | None = None):
+        """Replay the batch's stored experts when configured (laid out as ``packed`` rows when the
+        forward is packed), else just capture (MoE) or nothing."""
         if self.routing_replay != "none" and batch.routing is not None:
-            return moe.replay_routing(self.model, batch.routing, keep_logits=keep_logits)
+            routing = batch.routing if packed is None else moe.packed_routing(batch.routing, packed)
+            return moe.replay_routing(self.model, routing, keep_logits=keep_logits)
         if self.is_moe:
             return moe.capture_routing(self.model, keep_logits=keep_logits)
         return contextlib.nullcontext()
@@ -118,16 +169,19 @@ class LogprobPasses:
                keep_logits: bool = False):
         """The policy's ``logprobs`` inside ``routing_context``: (log-probs, the routing capture or
         None), the capture told which forwards ran (``layout``) so that ``cap.routing`` is laid out."""
-        with self.routing_context(batch, keep_logits=keep_logits) as cap:
-            out = self.logprobs(self.model, batch, with_entropy=with_entropy, rows=rows)
+        packed = self.packing(batch, rows)
+        with self.routing_context(batch, keep_logits=keep_logits, packed=packed) as cap:
+            out = self.logprobs(self.model, batch, with_entropy=with_entropy, rows=rows,
+                                packed=packed)
         if cap is not None:
             cap.layout = out.layout
         return out, cap
 
     def new_logprobs(self, batch: RolloutBatch) -> Tensor:
         """[N, T] the policy's log-probs now, routed as in training, no gradient."""
-        with torch.no_grad(), self.routing_context(batch):
-            return self.logprobs(self.model, batch).logp
+        packed = self.packing(batch)
+        with torch.no_grad(), self.routing_context(batch, packed=packed):
+            return self.logprobs(self.model, batch, packed=packed).logp
 
     @torch.no_grad()
     def old_logprobs(self, batch: RolloutBatch, rows: Tensor | None = None) -> Tensor:
@@ -159,6 +213,8 @@ class LogprobPasses:
             return MinibatchForward(mb.mask.new_zeros((0, T), dtype=torch.float32), None, None, {})
         sub = batch.select(rows)
         out, cap = self.routed(sub, with_entropy=True, rows=host_rows, keep_logits=self.aux_loss)
+        if mb.live and out.layout is not None:
+            self.tokens = [self.tokens[0] + out.layout.tokens, self.tokens[1] + out.layout.needed]
         if as_old and self.is_moe and self.routing_replay == "none":
             store_routing(batch, rows, cap.routing)
             sub.routing = cap.routing

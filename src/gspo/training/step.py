@@ -33,8 +33,7 @@ from torch import Tensor
 
 from gspo.config import TrainConfig
 from gspo.core import objectives
-from gspo.core.plan import (UpdatePlan, computed_tokens, live_rows, minibatch_seed, plan_update,
-                            token_microbatches)
+from gspo.core.plan import UpdatePlan, live_rows, minibatch_seed, plan_update, token_microbatches
 from gspo.core.trajectory import dropped_rows, scored_mask
 from gspo.observe import diagnostics
 from gspo.observe.records import UpdateRecord
@@ -171,13 +170,12 @@ class RLStep:
         steps = MinibatchSteps(self.optimizer, self.scheduler, self.cfg.train.grad_clip,
                                clip=self.ranks.clip_grad_norm)
         self.model.train()
-        lengths, forwards = row_lengths(batch), []   # (prompt, response) [N] CPU; rows per forward
+        lengths = row_lengths(batch)                 # (prompt, response) [N] CPU
         for i, mb in enumerate(minibatches(plan, batch.loss_mask, self.device)):
             with timer.section("forward_backward"):
                 counts = self.ranks.global_counts(mb.mask[mb.idx])   # normalisers over all ranks
                 reused = i == 0 and plan.reuse_first and mb.live     # this forward is π_old too
                 parts = self.microbatches(mb, lengths)
-                forwards += [mb.host_idx[mb.pos][p] for p in parts] if mb.live else []
                 if len(parts) > 1:
                     total, stats = self.accumulate(batch, mb, parts, old, counts, ref_logp,
                                                    reused, record)
@@ -195,7 +193,7 @@ class RLStep:
             with timer.section("optimizer"):
                 stats["optim/grad_norm"] = steps.apply(total, self.model.parameters()).detach()
             steps.add(self.ranks.reduce_stats(stats, mb.mask[mb.idx], self.spec.sequence_level))
-        computed, real = computed_tokens(*lengths, forwards)
+        computed, real = self.passes.take_tokens()   # positions the forwards computed, needed
         counted = self.ranks.reduce_metrics({"train/rows_skipped": plan.skipped,   # all ranks'
                                              "perf/tokens_computed": computed,
                                              "perf/tokens_real": real}, 1)

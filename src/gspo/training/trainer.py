@@ -89,7 +89,8 @@ class Trainer:
         passes = LogprobPasses(self.model, self.dist, temperature=cfg.rollout.temperature,
                                chunk_size=cfg.train.logprob_chunk, group_size=cfg.rollout.group_size,
                                entropy_grad=cfg.train.entropy_coef > 0,
-                               routing_replay=cfg.moe.routing_replay, aux_loss=cfg.moe.aux_loss_coef > 0)
+                               routing_replay=cfg.moe.routing_replay, aux_loss=cfg.moe.aux_loss_coef > 0,
+                               pack=cfg.train.pack_rows, pack_length=cfg.train.pack_length)
         self.ref_model = lora.frozen_reference(self.model) if cfg.train.beta > 0 else None
         self.dist.wrap(self.model, cfg.dist.strategy)  # rank 0's weights everywhere; fsdp: sharded
         self.optimizer = build_optimizer(self.model, cfg.train.lr, cfg.train.weight_decay,
