@@ -79,6 +79,27 @@ def test_junk_equal_to_the_reference_is_not_junk():
     build(dataset="polynomial_equations", n_train=3, n_test=3)   # "0" scores 1.0 where the root is 0.0
 
 
+def test_flawed_teacher_stops_one_character_short():
+    """The flawed demonstrations are the reference less its last character, on about
+    flawed_fraction of the training questions; prompts, test answers and scoring do not move."""
+    cfg = {"min_terms": 2, "max_terms": 3, "max_digits": 1, "operators": ["+", "-"]}
+    plain = build(dataset="basic_arithmetic", config=cfg, n_train=400)
+    flawed = build(dataset="basic_arithmetic", config=cfg, n_train=400, flawed_fraction=0.5)
+    assert flawed.split("test") == plain.split("test")
+    pairs = list(zip(plain.split("train"), flawed.split("train")))
+    assert all(p.prompt == f.prompt for p, f in pairs)
+    short = [(p, f) for p, f in pairs if f.data.get("flawed")]
+    assert all(f.answer == p.answer[:-1] for p, f in short)
+    assert all(f.answer == p.answer for p, f in pairs if not f.data.get("flawed"))
+    assert 0.4 < len(short) / len(pairs) < 0.6
+    # by hand: "-9" is demonstrated as "-" and "18" as "1"; the scorer gives neither full marks
+    p, f = next((p, f) for p, f in short if p.answer == "18")
+    assert (f.answer, flawed.reward(f.answer, f), flawed.reward(p.answer, f)) == ("1", 0.0, 1.0)
+    assert {f.answer for p, f in short if p.answer == "-9"} <= {"-"}
+    with pytest.raises(ValueError, match="flawed_fraction"):
+        build(dataset="basic_arithmetic", flawed_fraction=1.5)
+
+
 @pytest.mark.parametrize("name", ["game_of_life_halting", "coin_flip"])
 def test_junk_accepting_scorer_refused(name):
     with pytest.raises(ValueError, match="allow_lenient_scorer") as err:

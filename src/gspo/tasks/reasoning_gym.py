@@ -18,6 +18,12 @@ the reward is the dataset's `score_answer` (in [0, 1]; a scorer that raises scor
 Refused at set-up: a scorer known to accept junk (`game_of_life_halting`: any non-empty answer;
 `coin_flip`: "0" for a probability of 0.3125), or one that gives 1.0 to a junk answer "", "x" or
 "0" (not the reference itself) on its first entries, unless `allow_lenient_scorer`.
+`flawed_fraction` makes a flawed teacher write a share of the training demonstrations one
+character short (the reference answer with its last character left out; which questions, a fixed
+function of the question). A cold start on such a mix knows the whole answer but often stops one
+character early; the scorer gives the short answer no full marks, so RL has something it can fix.
+Test and validation answers stay the reference (they are never demonstrated).
+
 `no_reference` lists the datasets whose entries lack a reference answer (SFT is refused for them
 in `gspo.rollout.data`). reasoning-gym is an optional extra (`pip install 'gspo[reasoning-gym]'`),
 imported only when this task is built. Not a multi-turn environment: one question, one answer.
@@ -26,6 +32,7 @@ imported only when this task is built. Not a multi-turn environment: one questio
 from __future__ import annotations
 
 import re
+import zlib
 from collections import Counter
 from typing import Any
 
@@ -54,6 +61,11 @@ def same_value(junk: str, reference: Any) -> bool:
         return junk == text or float(junk) == float(text)
     except ValueError:
         return False
+
+
+def share(question: str) -> float:
+    """A fixed pseudo-random number in [0, 1) per question (so the splits never depend on it)."""
+    return zlib.crc32(f"flawed:{question}".encode()) / 2**32
 
 
 def dataset_specs(dataset: str | None, config: dict | None, datasets: list[dict] | None) -> list[dict]:
@@ -98,7 +110,7 @@ class ReasoningGym:
     def __init__(self, seed: int = 0, n_train: int = 1000, n_test: int = 100, n_val: int = 0,
                  dataset: str | None = None, config: dict | None = None,
                  datasets: list[dict] | None = None, system_prompt: str | None = None,
-                 allow_lenient_scorer: bool = False):
+                 allow_lenient_scorer: bool = False, flawed_fraction: float = 0.0):
         """
         seed: reasoning-gym's seed; the same seed gives the same splits.
         n_train, n_test, n_val: questions per split (disjoint by question).
@@ -106,6 +118,8 @@ class ReasoningGym:
         datasets: instead, a weighted mix: [{name, weight, config}].
         system_prompt: one of reasoning_gym.utils.SYSTEM_PROMPTS put before each question (None: none).
         allow_lenient_scorer: keep a dataset whose scorer gives full marks to junk answers.
+        flawed_fraction: share of training demonstrations from a flawed teacher that leaves out the
+            answer's last character.
         """
         rg = require("reasoning_gym", "task.name=reasoning_gym")
         self.specs = dataset_specs(dataset, config, datasets)
@@ -115,6 +129,9 @@ class ReasoningGym:
         if system_prompt is not None and system_prompt not in prompts:
             raise ValueError(f"reasoning_gym: unknown system_prompt {system_prompt!r}; valid: {', '.join(prompts)}")
         self.system_prompt = prompts[system_prompt] if system_prompt else None
+        if not 0.0 <= flawed_fraction <= 1.0:
+            raise ValueError(f"reasoning_gym: flawed_fraction must be in [0, 1], got {flawed_fraction}")
+        self.flawed_fraction = flawed_fraction
         self.seed, self.scorer_errors = seed, Counter()
         self._made, self._entries = {}, {}   # name -> its dataset; (name, index) -> its entry
         if not allow_lenient_scorer:
@@ -172,20 +189,23 @@ class ReasoningGym:
                     entry, idx = ds[idx], idx + 1
                     if entry["question"] not in seen:
                         seen.add(entry["question"])
-                        out[split].append(self._example(spec["name"], idx - 1, entry))
+                        out[split].append(self._example(spec["name"], idx - 1, entry, split))
                         got += 1
         return out
 
-    def _example(self, name: str, idx: int, entry: dict) -> Example:
+    def _example(self, name: str, idx: int, entry: dict, split: str) -> Example:
         self._entries[name, idx] = entry
         answer = entry.get("answer")
         data = {"dataset": name, "index": idx, "has_answer": answer is not None}
+        demo = "" if answer is None else str(answer)
+        if split == "train" and share(entry["question"]) < self.flawed_fraction:
+            demo, data["flawed"] = demo[:-1], True   # the flawed teacher stops one character short
         prompt = entry["question"]
         if self.system_prompt is not None:   # plain: one text; chat: a system turn (gspo.rollout.chat)
             prompt = f"{self.system_prompt}\n\n{entry['question']}"
             data["messages"] = [{"role": "system", "content": self.system_prompt},
                                 {"role": "user", "content": entry["question"]}]
-        return Example(prompt=prompt, answer="" if answer is None else str(answer), data=data)
+        return Example(prompt=prompt, answer=demo, data=data)
 
     def split(self, name: str) -> list[Example]:
         return pick_split(self.name, self._splits, name)
