@@ -28,6 +28,9 @@ of a default is compared with its old value set (``--set train.minibatch_by=rows
 ``--added KEY`` (repeatable, with ``--compare``): a metric this side logs and the reference does
 not (a new counter): reported, and left out of the comparison in the rows the reference lacks it;
 every other key and value must still match.
+``--redefined KEY`` (repeatable, with ``--compare``): a metric whose definition this side changes
+on purpose (``perf/tokens_computed`` counting what the forwards computed rather than a formula):
+left out of the comparison on both sides, and reported when its values differ.
 
 CPU only, one thread: a few minutes for the four runs. Each run's interpreter starts with torch's
 global RNG seeded (a ``sitecustomize`` on PYTHONPATH): torch seeds it at random per process, and
@@ -131,10 +134,12 @@ def same(a, b) -> bool:
     return a == b
 
 
-def compare_metrics(ref: list[dict], new: list[dict], added: tuple[str, ...] = ()
-                    ) -> str | None:
+def compare_metrics(ref: list[dict], new: list[dict], added: tuple[str, ...] = (),
+                    redefined: tuple[str, ...] = ()) -> str | None:
     """None when identical (``added``: keys the new side logs and the reference lacks, left out
-    once they are absent from the reference), else where the first difference is."""
+    once they are absent from the reference; ``redefined``: keys left out on both sides), else
+    where the first difference is."""
+    ref, new = drop(ref, redefined), drop(new, redefined)
     new = [{k: v for k, v in n.items() if k not in added or k in r} for r, n in zip(ref, new)] \
         + new[len(ref):]
     if len(ref) != len(new):
@@ -146,6 +151,18 @@ def compare_metrics(ref: list[dict], new: list[dict], added: tuple[str, ...] = (
             if not same(r[key], n[key]):
                 return f"row {i} (step {r.get('step')}): {key} = {n[key]!r}, reference {r[key]!r}"
     return None
+
+
+def drop(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """The rows without ``keys``."""
+    return [{k: v for k, v in row.items() if k not in keys} for row in rows]
+
+
+def redefined_note(ref: list[dict], new: list[dict], keys: tuple[str, ...]) -> str:
+    """Which of the redefined ``keys`` took other values than the reference's ('' when none)."""
+    moved = sorted({k for r, n in zip(ref, new) for k in keys
+                    if k in r and k in n and not same(r[k], n[k])})
+    return f" (redefined metrics {', '.join(moved)} differ, as intended)" if moved else ""
 
 
 def compare_weights(ref: dict, new: dict) -> str | None:
@@ -171,6 +188,9 @@ def main() -> int:
                              "behaviour (train.minibatch_by=rows against a reference from before it)")
     parser.add_argument("--added", action="append", default=[], metavar="KEY",
                         help="a metric this side adds (a new counter), left out of the comparison")
+    parser.add_argument("--redefined", action="append", default=[], metavar="KEY",
+                        help="a metric whose definition this side changes on purpose, left out of "
+                             "the comparison on both sides")
     parser.add_argument("--vllm-python", help="interpreter with vLLM for the vllm runs (default: "
                                                   "a .venv-vllm beside this checkout's or "
                                                   "PYTHONPATH's src)")
@@ -199,12 +219,13 @@ def main() -> int:
             continue
         ref_rows = json.loads((store / name / "metrics.json").read_text())
         ref_tensors = torch.load(store / name / "weights.pt", weights_only=True)
-        added = tuple(args.added)
-        problems = [p for p in (compare_metrics(ref_rows, rows, added),
+        added, redefined = tuple(args.added), tuple(args.redefined)
+        problems = [p for p in (compare_metrics(ref_rows, rows, added, redefined),
                                 compare_weights(ref_tensors, tensors)) if p]
         failed += bool(problems)
         logged = sorted({k for row in rows for k in row if k in added})
         note = f" (+ added metrics {', '.join(logged)})" if logged and not problems else ""
+        note += redefined_note(ref_rows, rows, redefined) if not problems else ""
         print(f"{name}: " + ("identical (metrics and weights)" + note if not problems
                              else "DIFFERS: " + "; ".join(problems)))
     return 1 if failed else 0
