@@ -67,12 +67,16 @@ def test_partial_credit_is_not_correct():
     assert 0.0 < t.reward("0", ex) < 1.0 and not t.is_correct("0", ex)   # scorer's 0.01 for a number
 
 
-def test_raising_scorer_counts_zero():
+def test_raising_scorer_counts_zero_once_per_sample():
     t = build(dataset="prime_factorization")
     ex = t.split("test")[0]
+    assert t.take_counts() == {"reward/scorer_errors": 0.0}
     assert t.reward("x", ex) == 0.0                 # int('x') raises inside score_answer
-    assert not t.is_correct("x", ex)
+    assert not t.is_correct("x", ex)                # the same sample: not counted twice
+    assert t.reward("x", ex) == 0.0
     assert t.scorer_errors["prime_factorization"] == 2
+    assert t.take_counts() == {"reward/scorer_errors": 2.0}
+    assert t.take_counts() == {"reward/scorer_errors": 0.0}   # since the last call
 
 
 def test_junk_equal_to_the_reference_is_not_junk():
@@ -170,3 +174,22 @@ def test_train_two_rl_steps(tmp_path):
     assert 0.0 <= summary["eval_after"]["accuracy"] <= 1.0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+
+
+def test_scorer_errors_are_a_metric_of_the_step(tmp_path, monkeypatch):
+    from reasoning_gym.arithmetic.basic_arithmetic import BasicArithmeticDataset
+
+    def broken(self, answer, entry):
+        raise ValueError("a scorer bug")
+
+    monkeypatch.setattr(BasicArithmeticDataset, "score_answer", broken)   # every sample raises
+    code = main([
+        "train", "task.name=reasoning_gym", "task.params={dataset: basic_arithmetic, "
+        "allow_lenient_scorer: true}", "task.n_train=20", "task.n_test=4", "sft.enabled=false",
+        "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
+        "train.steps=2", "train.minibatches=1", "eval.n=4", "eval.k=1", "run.eval_every=0",
+        "run.save_every=0", f"run.dir={tmp_path / 'run'}", "run.tensorboard=false",
+        "run.progress=false"])
+    assert code == 0                                      # scored 0, never a crashed run
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/scorer_errors"] for r in rows if "reward/mean" in r] == [8, 8]  # 2 x 4 a step

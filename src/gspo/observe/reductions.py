@@ -33,7 +33,7 @@ DECLARED: dict[str, str] = {
     "policy/ratio_mean": RATIO_MEAN, "policy/clip_frac_seqs": MEAN_PER_SEQ,
     "optim/grad_norm": SAME,
     # the step's batch (gspo.rollout.collect, gspo.rewards)
-    "reward/errors": SUM, "reward/refill_rounds": MAX, "reward/std": POOLED_STD,
+    "reward/errors": SUM, "reward/scorer_errors": SUM, "reward/refill_rounds": MAX, "reward/std": POOLED_STD,
     "response/length_max": MAX,
     # rollout vs trainer log-probs (gspo.core.correction, gspo.observe.diagnostics)
     "mismatch/ratio_max": MAX, "mismatch/ratio_min": MIN,

@@ -31,6 +31,7 @@ from gspo.rollout.episodes import Episode, SingleTurn
 from gspo.rollout.generate import RolloutBatch, SamplingParams
 from gspo.rollout.scoring import reward_stats, score
 from gspo.rollout.shares import RankShares, Shards
+from gspo.tasks import task_counts
 
 
 @dataclass
@@ -189,9 +190,11 @@ class Collector:
                 batch = batch.select(self.shares.own_rows(G))
             add(extra, {"time/generate_s": time.perf_counter() - t0})
             add(extra, self.engine.metrics())                                # ray/*: its syncs
+            task_counts(self.task)                   # drop what was scored before (evaluation)
             rewards, per_source, counts = score(self.rewards, batch, self.device)
             add(extra, {"time/reward_s": counts["time/reward_s"]})
             add(extra, {"reward/errors": counts["reward/errors"]}, zero=0)
+            add(extra, task_counts(self.task), zero=0)       # reward/scorer_errors: this batch's
             if first_stats is None:
                 first_stats = reward_stats(self.task, batch, rewards, per_source, G)
                 first_stats.update(getattr(self.episode, "metrics", {}))   # multiturn/*

@@ -21,9 +21,10 @@ from gspo.tasks.base import (
     build,
     get,
     register,
+    task_counts,
 )
 
 # Built-in tasks register themselves on import.
 from gspo.tasks import arithmetic, countdown, dataset, multistep, reasoning_gym, tooluse  # noqa: E402,F401  isort: skip
 
-__all__ = ["Example", "Task", "TaskDataError", "available", "build", "get", "register"]
+__all__ = ["Example", "Task", "TaskDataError", "available", "build", "get", "register", "task_counts"]

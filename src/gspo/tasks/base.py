@@ -41,6 +41,16 @@ class Task(Protocol):
 
     def is_correct(self, completion: str, example: Example) -> bool: ...
 
+    # Optional: ``take_counts() -> dict[str, float]``, what the task counted while scoring since the
+    # last call (``{"reward/scorer_errors": 2}``), logged with the step and summed over its
+    # generation rounds and ranks (``task_counts``).
+
+
+def task_counts(task) -> dict[str, float]:
+    """The task's counts since the last call (``Task.take_counts``; {} for a task without any)."""
+    take = getattr(task, "take_counts", None)
+    return take() if take is not None else {}
+
 
 class TaskDataError(UserError, ValueError):
     """Bad task data, located by file and line: `a.jsonl:3: missing 'prompt'`."""

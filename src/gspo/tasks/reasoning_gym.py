@@ -13,7 +13,7 @@ names one of reasoning-gym's own system prompts to put before it: a paragraph of
 a system turn under `task.chat`). The answer scored is the text
 of the completion's last `<answer>...</answer>`, or the whole stripped completion when it has none;
 the reward is the dataset's `score_answer` (in [0, 1]; a scorer that raises scores 0, counted in
-`scorer_errors`), and `is_correct` is a score of exactly 1 (some scorers give partial credit).
+`scorer_errors`, and per step in the metric `reward/scorer_errors`), and `is_correct` is a score of exactly 1 (some scorers give partial credit).
 
 Refused at set-up: a scorer known to accept junk (`game_of_life_halting`: any non-empty answer;
 `coin_flip`: "0" for a probability of 0.3125), or one that gives 1.0 to a junk answer "", "x" or
@@ -132,7 +132,7 @@ class ReasoningGym:
         if not 0.0 <= flawed_fraction <= 1.0:
             raise ValueError(f"reasoning_gym: flawed_fraction must be in [0, 1], got {flawed_fraction}")
         self.flawed_fraction = flawed_fraction
-        self.seed, self.scorer_errors = seed, Counter()
+        self.seed, self.scorer_errors, self.new_errors = seed, Counter(), 0
         self._made, self._entries = {}, {}   # name -> its dataset; (name, index) -> its entry
         if not allow_lenient_scorer:
             for s in self.specs:
@@ -210,14 +210,17 @@ class ReasoningGym:
     def split(self, name: str) -> list[Example]:
         return pick_split(self.name, self._splits, name)
 
-    def score(self, completion: str, example: Example) -> float:
-        """The dataset's `score_answer` of the extracted answer; an exception scores 0 (counted)."""
+    def score(self, completion: str, example: Example, count: bool = True) -> float:
+        """The dataset's `score_answer` of the extracted answer; an exception scores 0 (counted
+        when ``count``: once per sample, by the reward)."""
         name = example.data["dataset"]
         ds, entry = self._made[name], self._entries[name, example.data["index"]]
         try:
             value = float(ds.score_answer(extract_answer(completion), entry))
         except Exception:  # noqa: BLE001  e.g. prime_factorization on a non-number
-            self.scorer_errors[name] += 1
+            if count:
+                self.scorer_errors[name] += 1
+                self.new_errors += 1
             return 0.0
         return min(max(value, 0.0), 1.0)
 
@@ -225,5 +228,10 @@ class ReasoningGym:
         return self.score(completion, example)
 
     def is_correct(self, completion: str, example: Example) -> bool:
-        return self.score(completion, example) == 1.0
+        return self.score(completion, example, count=False) == 1.0   # the reward counted it
+
+    def take_counts(self) -> dict[str, float]:
+        """``reward/scorer_errors``: rewards whose scorer raised since the last call."""
+        counts, self.new_errors = {"reward/scorer_errors": float(self.new_errors)}, 0
+        return counts
 
