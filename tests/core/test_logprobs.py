@@ -4,8 +4,9 @@ import pytest
 import torch
 import transformers
 
-from gspo.core.logprobs import (naive_response_logprobs, pack_rows, packed_logprobs,
-                                 packing_honoured, position_ids_from_mask, response_logprobs)
+from gspo.core.logprobs import (naive_response_logprobs, packed_logprobs, packing_honoured,
+                                 position_ids_from_mask, response_logprobs)
+from gspo.core.packing import pack_rows
 
 V, PAD = 97, 0
 PROMPT_LENS = [5, 3, 7]  # left-padded to P = 7

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from gspo.core.logprobs import pack_rows, response_logprobs
+from gspo.core.logprobs import response_logprobs
+from gspo.core.packing import pack_rows
 from gspo.models.presets import build_model
 from gspo.models.moe import (
     capture_routing,

@@ -176,7 +176,7 @@ class RoutingCapture:
 
 def packed_routing(routing: torch.Tensor, packed) -> torch.Tensor:
     """[B, S, layers, k]: stored experts [N, L, layers, k] laid out as packed rows (``packed``, a
-    `logprobs.PackedRows`), for `replay_routing` of a packed forward; experts 0..k-1 at the tails."""
+    `gspo.core.packing.PackedRows`), for `replay_routing` of a packed forward; experts 0..k-1 at the tails."""
     k = routing.shape[-1]
     return packed.gather(routing, torch.arange(k, dtype=routing.dtype, device=routing.device))
 

@@ -10,7 +10,7 @@ audit record, the critic's KL). What it hides from the step:
   detached forward (π_θ = π_old before the first optimizer step); rows whose groups share a
   prompt run the prompt once; padding columns no response depends on are trimmed. Or, under
   ``train.pack_rows``, every pass runs its rows packed without padding
-  (``gspo.core.logprobs.pack_rows``; a group's prompt packed once, when prompts may be shared).
+  (``gspo.core.packing.pack_rows``; a group's prompt packed once, when prompts may be shared).
 * **MoE routing** (docs/moe.md): the experts π_old chose are captured in the old-log-prob pass,
   or at generation, and replayed when π_θ is computed (``moe.routing_replay``); otherwise they
   are captured for the routing metrics (``moe/*``) and the router's load-balancing loss. Stored
@@ -33,7 +33,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gspo.core.logprobs import PackedRows, pack_rows, packing_honoured
+from gspo.core.logprobs import packing_honoured
+from gspo.core.packing import PackedRows, pack_rows
 from gspo.models import moe
 from gspo.rollout.generate import RolloutBatch
 
