@@ -362,6 +362,23 @@ def _multiturn_batch():
     return ids, am, rm
 
 
+def _packed_equals_padded(model, ids, am, rm, packed):
+    """The log-probs, entropies and gradients of ``packed`` rows equal the padded rows' (1e-5,
+    float32); the packed log-probs [N, T]."""
+    results = []
+    for layout in (None, packed):
+        model.zero_grad(set_to_none=True)
+        out = response_logprobs(model, ids, am, rm, chunk_size=5, packed=layout)
+        (out.logp.sum() + 0.3 * out.entropy.sum()).backward()
+        results.append((out.logp.detach(), out.entropy, [p.grad.clone() for p in model.parameters()]))
+    (logp, ent, grads), (p_logp, p_ent, p_grads) = results
+    _close(p_logp, logp)
+    _close(p_ent, ent)
+    for a, b in zip(p_grads, grads):
+        _close(a, b, atol=1e-5)
+    return p_logp
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("max_tokens", [None, 6])        # one packed row | two (of 2 to 4 rows, two computes fewest)
 @pytest.mark.parametrize("holes", [False, True])
@@ -375,17 +392,7 @@ def test_packed_rows_equal_padded_rows(attn, max_tokens, holes):
     model.config._attn_implementation = attn
     ids, am, rm = _multiturn_batch() if holes else _padded_batch()
     packed = pack_rows(am, rm, max_tokens)
-    results = []
-    for layout in (None, packed):
-        model.zero_grad(set_to_none=True)
-        out = response_logprobs(model, ids, am, rm, chunk_size=5, packed=layout)
-        (out.logp.sum() + 0.3 * out.entropy.sum()).backward()
-        results.append((out.logp.detach(), out.entropy, [p.grad.clone() for p in model.parameters()]))
-    (logp, ent, grads), (p_logp, p_ent, p_grads) = results
-    _close(p_logp, logp)
-    _close(p_ent, ent)
-    for a, b in zip(p_grads, grads):
-        _close(a, b, atol=1e-5)
+    p_logp = _packed_equals_padded(model, ids, am, rm, packed)
     assert (p_logp[rm == 0] == 0).all()
     # rows' tokens: prompt + response up to the last response token, less that token
     reach = (rm * torch.arange(1, rm.shape[1] + 1)).amax(-1)
@@ -449,17 +456,7 @@ def test_packed_groups_share_their_prompt_and_equal_padded_rows(attn, max_tokens
     T = rm.shape[1]
     ids[:, -T:] = torch.where(am[:, -T:].bool(), torch.randint(1, V, (len(rows), T), generator=g), PAD)
     packed = pack_rows(am, rm, max_tokens, groups=rows)
-    results = []
-    for layout in (None, packed):
-        model.zero_grad(set_to_none=True)
-        out = response_logprobs(model, ids, am, rm, chunk_size=5, packed=layout)
-        (out.logp.sum() + 0.3 * out.entropy.sum()).backward()
-        results.append((out.logp.detach(), out.entropy, [p.grad.clone() for p in model.parameters()]))
-    (logp, ent, grads), (p_logp, p_ent, p_grads) = results
-    _close(p_logp, logp)
-    _close(p_ent, ent)
-    for a, b in zip(p_grads, grads):
-        _close(a, b, atol=1e-5)
+    _packed_equals_padded(model, ids, am, rm, packed)
     if max_tokens == 8:   # every part a single row: as many tokens as packing each row alone
         assert packed.real == pack_rows(am, rm).real
     else:

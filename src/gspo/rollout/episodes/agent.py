@@ -41,7 +41,8 @@ from gspo.rollout.episodes.endpoint.batcher import Batcher
 from gspo.rollout.episodes.endpoint.recorder import Recorder
 from gspo.rollout.episodes.endpoint.server import Endpoint, Session
 from gspo.rollout.episodes.tool_loop import as_batch
-from gspo.rollout.episodes.turn_loop import Budgets, Row, episode_metrics, to_tensors
+from gspo.rollout.episodes.turn_loop import (Budgets, Row, episode_metrics, observation_rows_refusal,
+                                             to_tensors)
 from gspo.rollout.generate import RolloutBatch
 from gspo.tasks.base import call_kwargs
 from gspo.tasks.custom import load_function
@@ -179,14 +180,8 @@ class Agent:
             return str(err)
         if cfg.multiturn.env is not None:
             return f"the agent is the environment: unset multiturn.env={cfg.multiturn.env}"
-        blocked = [(cfg.objective.name == "ppo", "objective.name=ppo (its critic scores every token, "
-                                                 "observations included)"),
-                   (cfg.moe.routing_replay == "rollout", "moe.routing_replay=rollout"),
-                   (cfg.audit.every > 0, "audit.every (the audit's mask rules are the single-turn ones)"),
-                   (cfg.objective.name in ("dpo", "sft"), f"objective.name={cfg.objective.name}")]
-        for refuse, why in blocked:
-            if refuse:
-                return f"does not work with {why}"
+        if why := observation_rows_refusal(cfg):
+            return why
         if cfg.rewards.on_error == "fail":
             return ("an agent that fails gives its episode no reward: set rewards.on_error=drop (its row "
                     "leaves the loss) or zero")

@@ -45,7 +45,8 @@ from gspo.envs.guard import Failed, Guard, GuardedEnv
 from gspo.errors import RewardFault
 from gspo.rollout.episodes.base import register
 from gspo.rollout.episodes.tool_loop import as_batch, codec, engine_sampler, observer, turns_of
-from gspo.rollout.episodes.turn_loop import Budgets, episode_metrics, run_episodes, to_tensors
+from gspo.rollout.episodes.turn_loop import (Budgets, episode_metrics, observation_rows_refusal,
+                                             run_episodes, to_tensors)
 from gspo.rollout.generate import RolloutBatch
 from gspo.tasks import Example
 from gspo.tasks.custom import load_function
@@ -225,14 +226,8 @@ class ResetStep:
             return f"the environment is multiturn.params.make: unset multiturn.env={cfg.multiturn.env}"
         if why := refusal(dict(cfg.multiturn.params)):
             return why
-        blocked = [(cfg.objective.name == "ppo", "objective.name=ppo (its critic scores every token, "
-                                                 "observations included)"),
-                   (cfg.moe.routing_replay == "rollout", "moe.routing_replay=rollout"),
-                   (cfg.audit.every > 0, "audit.every (the audit's mask rules are the single-turn ones)"),
-                   (cfg.objective.name in ("dpo", "sft"), f"objective.name={cfg.objective.name}")]
-        for refuse, why in blocked:
-            if refuse:
-                return f"does not work with {why}"
+        if why := observation_rows_refusal(cfg):
+            return why
         if cfg.sft.enabled and cfg.sft.steps > 0:
             return ("the prompts are the environment's openings, which the task's demonstrations do not "
                     "hold: set sft.enabled=false")

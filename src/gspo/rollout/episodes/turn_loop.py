@@ -255,3 +255,14 @@ def episode_metrics(rows: Sequence[Row]) -> dict[str, float]:
            "multiturn/retokenization_drift": sum(r.drifted_turns for r in rows) / max(1, turns)}
     out.update({f"multiturn/end_{end}": sum(r.end == end for r in rows) / n for end in ENDS})
     return out
+
+
+def observation_rows_refusal(cfg) -> str | None:
+    """Why rows holding observation tokens between the policy's turns (an agent's, an environment
+    of another library's) cannot train under ``cfg``, or None."""
+    blocked = [(cfg.objective.name == "ppo", "objective.name=ppo (its critic scores every token, "
+                                             "observations included)"),
+               (cfg.moe.routing_replay == "rollout", "moe.routing_replay=rollout"),
+               (cfg.audit.every > 0, "audit.every (the audit's mask rules are the single-turn ones)"),
+               (cfg.objective.name in ("dpo", "sft"), f"objective.name={cfg.objective.name}")]
+    return next((f"does not work with {why}" for refuse, why in blocked if refuse), None)
