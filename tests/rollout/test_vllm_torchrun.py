@@ -114,6 +114,19 @@ def test_fsdp_engines_are_synced_from_gathered_shards(runs, tmp_path):
     assert [r["reward/mean"] for r in rows[2:]] == pytest.approx([r["reward/mean"] for r in ddp[2:]])
 
 
+def test_lora_adapters_reach_every_ranks_engine_after_each_step(runs, tmp_path):
+    """LoRA under torchrun (ddp): each rank's vLLM engine samples the merged weights of the
+    adapters as the last update left them, so its log-probs are the trainer's at every step."""
+    run = tmp_path / "lora"
+    gspo("train", *RUN, f"run.dir={run}", f"sft.cache_dir={runs / 'sft'}", "model.lora={r: 4, alpha: 8}",
+         "train.lr=1e-2", ranks=2)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(STEPS + 1))
+    assert any(r["optim/grad_norm"] > 0 for r in rows[1:-1])   # the adapters moved before a sampling
+    for r in rows[1:]:
+        assert r["mismatch/token_abs_max"] < TOL, r
+
+
 def test_a_torchrun_vllm_run_resumes_exactly(runs, tmp_path):
     run = tmp_path / "resumed"
     stopped_after_step_1(runs / "two", run)

@@ -266,3 +266,15 @@ def test_reward_that_fails_on_every_demonstration(capsys, tmp_path, monkeypatch)
                  "rewards.on_error=zero", "task.n_train=20", "task.n_test=5")
     assert "rewards: 'narrow.reward' fails on the demonstration of training example 1" in err
     assert "TypeError: reward() got an unexpected keyword argument" in err
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("rollout.prompts_per_step=1 train.minibatches=1", "rollout.prompts_per_step=1 is below the number of ranks (2)"),
+    ("audit.every=1", "audit.every: audit records are single-process only"),
+    ("dist.strategy=fsdp", "model.lora with dist.strategy=fsdp: sharded adapters are not built"),
+])
+def test_torchrun_refusals(capsys, tmp_path, monkeypatch, override, expected):
+    """Under torchrun (WORLD_SIZE=2): LoRA trains with ddp (test_distributed), not with fsdp."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    lora = ["model.lora={r: 4, alpha: 8}"] if "fsdp" in override else []
+    assert expected in _fails(capsys, tmp_path, *override.split(), *lora)

@@ -276,11 +276,12 @@ TRAINER_METRICS = ["policy/loss", "optim/grad_norm", "policy/clip_frac_tokens", 
                    "policy/ratio_mean", "policy/ratio_max", "policy/clip_frac_seqs"]
 
 
-def _trainer_updates(run_dir: Path, strategy: str, optimized: bool) -> tuple:
-    """Two ``RLStep.update`` calls (SGD) on a fixed global batch (this rank's share of it)."""
+def _trainer_updates(run_dir: Path, strategy: str, optimized: bool, *extra: str) -> tuple:
+    """Two ``RLStep.update`` calls (SGD) on a fixed global batch (this rank's share of it);
+    ``extra``: more overrides."""
     from gspo.config import load_config
     from gspo.training.trainer import Trainer
-    cfg = load_config(None, [*TRAIN, f"run.dir={run_dir}", f"dist.strategy={strategy}"])
+    cfg = load_config(None, [*TRAIN, f"run.dir={run_dir}", f"dist.strategy={strategy}", *extra])
     trainer = Trainer(cfg)
     with mock.patch("gspo.training.trainer.build_optimizer", linear_optimizer):
         trainer.setup()
@@ -352,6 +353,40 @@ def test_trainer_update_two_ranks_equals_one_process(tmp_path, monkeypatch):
         assert resumed.start_step == 2
         for name, p in resumed.model.named_parameters():
             assert torch.equal(p.detach(), got[name]), (strategy, name)     # what rank 0 saved
+
+
+LORA = "model.lora={r: 4, alpha: 8}"
+
+
+def _lora_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    trainer, history = _trainer_updates(Path(root) / "two-lora", "ddp", True, LORA)
+    history.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    torch.save(history, Path(root) / f"history_lora_{rank}.pt")
+    distributed.shutdown()
+
+
+@pytest.mark.slow
+def test_lora_update_two_ranks_equals_one_process(tmp_path):
+    """LoRA under ddp: the adapters' gradients are summed over ranks (the check fails without the
+    sum), the frozen base stays put, and two SGD updates give the one process's adapters and
+    metrics; the replicas stay equal bit for bit."""
+    _spawn(_lora_worker, str(tmp_path))
+    one, history = _trainer_updates(tmp_path / "one-lora", "ddp", True, LORA)
+    assert all(row["optim/grad_norm"] > 0 for row in history)
+    expected = {n: p.detach() for n, p in one.model.named_parameters()}
+    trained = [n for n, p in one.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    replicas = [torch.load(tmp_path / f"history_lora_{r}.pt") for r in range(WORLD)]
+    assert all(torch.equal(replicas[0][-1][n], replicas[1][-1][n]) for n in expected)  # bit for bit
+    for rank in range(WORLD):
+        for step, (row, row1) in enumerate(zip(replicas[rank][:-1], history)):
+            for key in TRAINER_METRICS:
+                assert row[key] == pytest.approx(row1[key], rel=1e-4, abs=1e-6), (step, key)
+    got = replicas[0][-1]
+    assert all(torch.equal(got[n], one.start[n]) for n in expected if n not in trained)  # frozen
+    assert update_mismatch({n: one.start[n] for n in trained}, {n: expected[n] for n in trained},
+                           {n: got[n] for n in trained}) < UPDATE_REL
 
 
 def _on_main_worker(rank: int, world: int, port: int, root: str) -> None:

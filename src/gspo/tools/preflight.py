@@ -247,9 +247,9 @@ def check_distributed(cfg, world: int) -> None:
     if cfg.audit.every:
         raise UserError("audit.every: audit records are single-process only; run the audited "
                         "job without torchrun (docs/distributed.md)")
-    if cfg.model.lora is not None:
-        raise UserError("model.lora: LoRA runs are single-process only for now; run without "
-                        "torchrun (docs/real-models.md)")
+    if cfg.model.lora is not None and cfg.dist.strategy == "fsdp":
+        raise UserError("model.lora with dist.strategy=fsdp: sharded adapters are not built; "
+                        "LoRA under torchrun runs with dist.strategy=ddp (docs/distributed.md)")
 
 
 # ------------------------------------------------------------------------------------ rewards
