@@ -61,7 +61,7 @@ VF_STAMP := $(VF_VENV)/.installed
 $(VF_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VF_VENV)
 	$(VF_VENV)/bin/pip install --quiet "$(TORCH)"
-	$(VF_VENV)/bin/pip install --quiet -e ".[verifiers]" "textarena==0.7.4" "pytest>=7.4" "pytest-timeout>=2.2"
+	$(VF_VENV)/bin/pip install --quiet -e ".[verifiers]" "textarena==0.7.4" "gem-llm==0.1.0" "pytest>=7.4" "pytest-timeout>=2.2"
 	touch $(VF_STAMP)
 
 test-verifiers: $(VF_STAMP)

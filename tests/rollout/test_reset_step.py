@@ -1,7 +1,8 @@
 """The reset/step episode: games of textarena, GEM / gymnasium and OpenEnv shapes (tests/game_fakes.py,
 the real signatures, none of the libraries installed) open each row, answer its turns through the
 turn loop, and their own reward becomes the row's; a game that raises or hangs ends its row
-counted, and the batch goes on. One test plays a real textarena game when textarena is installed."""
+counted, and the batch goes on. One test plays a real textarena game, one a real GEM game, each
+where its library is installed (make test-verifiers)."""
 
 from __future__ import annotations
 
@@ -178,4 +179,16 @@ def test_a_real_textarena_game(tok):
                                    "kwargs": {"env_id": "GuessTheNumber-v0"}}, seeds=(0,), group_size=1)
     record = batch.records[0]
     assert "Guess The Number" in tok.decode(batch.input_ids[0]) and record.end in ("done", "turns", "budget")
+    assert episode.metrics["multiturn/env_errors_mean"] == 0
+
+
+def test_a_real_gem_game(tok):
+    pytest.importorskip("gem")
+    episode, _, batch = play(tok, {"make": "gem:make", "protocol": "gym",
+                                   "kwargs": {"env_id": "game:GuessTheNumber-v0-easy"}}, seeds=(0,), group_size=2)
+    assert "Guess The Number" in tok.decode(batch.input_ids[0]) and "between 1 and 10" in tok.decode(batch.input_ids[0])
+    # the opening names "higher" and "lower" once each, so the guesser answers "2", without the
+    # \boxed{} GEM asks for: GEM ends the game with its -0.1 format penalty
+    assert [r.end for r in batch.records] == ["done", "done"] and [r.reward for r in batch.records] == [-0.1, -0.1]
+    assert [m["content"] for m in batch.records[0].transcript if m["role"] == "assistant"] == ["2"]
     assert episode.metrics["multiturn/env_errors_mean"] == 0
