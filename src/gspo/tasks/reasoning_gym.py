@@ -13,7 +13,8 @@ names one of reasoning-gym's own system prompts to put before it: a paragraph of
 a system turn under `task.chat`). The answer scored is the text
 of the completion's last `<answer>...</answer>`, or the whole stripped completion when it has none;
 the reward is the dataset's `score_answer` (in [0, 1]; a scorer that raises scores 0, counted in
-`scorer_errors`, and per step in the metric `reward/scorer_errors`), and `is_correct` is a score of exactly 1 (some scorers give partial credit).
+`scorer_errors`, and per step in the metric `reward/scorer_errors`), and `is_correct` is a score
+of exactly 1 (some scorers give partial credit).
 
 Refused at set-up: a scorer known to accept junk (`game_of_life_halting`: any non-empty answer;
 `coin_flip`: "0" for a probability of 0.3125), or one that gives 1.0 to a junk answer "", "x" or

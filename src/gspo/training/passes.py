@@ -121,10 +121,15 @@ class LogprobPasses:
         be shared (not under routing replay or fsdp, nor flash-attention: it takes no 4D mask)."""
         if not self.pack:
             return None
-        share = (rows is not None and self.split_forwards and self.forwards.policy is None
-                 and self.pack_shared)
-        return pack_rows(batch.attention_mask, batch.response_mask, self.pack_length,
-                         groups=rows // self.group_size if share else None)
+        groups = self.prompt_groups(rows) if self.pack_shared else None
+        return pack_rows(batch.attention_mask, batch.response_mask, self.pack_length, groups=groups)
+
+    def prompt_groups(self, rows: Tensor | None) -> Tensor | None:
+        """[n] the group of each of ``rows`` (CPU) when their groups may run each prompt once
+        (``split_forwards``, not under fsdp), else None."""
+        if rows is None or not self.split_forwards or self.forwards.policy is not None:
+            return None
+        return rows // self.group_size
 
     def take_tokens(self) -> tuple[int, int]:
         """(positions computed, positions needed) by the update's forwards since the last call."""
@@ -141,19 +146,13 @@ class LogprobPasses:
         Under ``train.pack_rows`` the rows run packed instead (``packed``, or laid out here), each
         group's prompt once under the same conditions."""
         if self.pack:
-            return self.forwards.logprobs(model, batch.input_ids, batch.attention_mask,
-                                          batch.response_mask, temperature=self.temperature,
-                                          chunk_size=self.chunk_size, with_entropy=with_entropy,
-                                          entropy_grad=self.entropy_grad,
-                                          packed=packed or self.packing(batch, rows))
-        split = self.split_forwards
-        shared = rows is not None and split and self.forwards.policy is None
-        groups = rows // self.group_size if shared else None
+            layout = {"packed": packed if packed is not None else self.packing(batch, rows)}
+        else:
+            layout = {"prompt_groups": self.prompt_groups(rows), "trim": self.split_forwards}
         return self.forwards.logprobs(model, batch.input_ids, batch.attention_mask,
                                       batch.response_mask, temperature=self.temperature,
                                       chunk_size=self.chunk_size, with_entropy=with_entropy,
-                                      entropy_grad=self.entropy_grad, prompt_groups=groups,
-                                      trim=split)
+                                      entropy_grad=self.entropy_grad, **layout)
 
     def routing_context(self, batch: RolloutBatch, keep_logits: bool = False,
                         packed: PackedRows | None = None):
