@@ -8,6 +8,7 @@ The game: a hidden number in 0..3 (the reset seed modulo 4); each guess is answe
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -143,6 +144,43 @@ class OpenEnvClient(OpenEnvGame):
     def step(self, action, **kwargs):
         obs = super().step(action)
         return StepResult(GuessObservation(obs.feedback), obs.reward, obs.done)
+
+
+class GenericAction(dict):             # openenv.core.GenericAction: a dict made from keywords
+    def __init__(self, **kwargs):
+        super().__init__(kwargs)
+
+
+class OpenEnvAsyncClient:
+    """``openenv.core.GenericEnvClient(base_url=...)``: async ``reset``/``step``, whose
+    ``StepResult``s hold the observation as a dict; ``.sync()`` is its blocking wrapper."""
+
+    def __init__(self, base_url: str):
+        self.game = OpenEnvGame()
+
+    async def reset(self, **kwargs):
+        obs = self.game.reset(**kwargs)
+        return StepResult({"feedback": obs.feedback}, obs.reward, obs.done)
+
+    async def step(self, action: dict, **kwargs):
+        obs = self.game.step(GuessAction(**action))
+        return StepResult({"feedback": obs.feedback}, obs.reward, obs.done)
+
+    def sync(self):
+        return SyncClient(self)
+
+
+class SyncClient:
+    """``openenv.core.SyncEnvClient``: each call of the async client run to its end."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def reset(self, **kwargs):
+        return asyncio.run(self.client.reset(**kwargs))
+
+    def step(self, action, **kwargs):
+        return asyncio.run(self.client.step(action, **kwargs))
 
 
 # ------------------------------------------------------------------------------- faults

@@ -113,9 +113,13 @@ def test_an_unfinished_game_textarena_has_no_reward_gym_its_sum_so_far(tok):
     assert [r.reward for r in gym.records] == [-0.5, -0.5]
 
 
-@pytest.mark.parametrize("make", ["game_fakes:OpenEnvGame", "game_fakes:OpenEnvClient"])
-def test_openenv_typed_actions_and_observations_local_or_client(tok, make):
-    _, _, batch = play(tok, {"make": make, "protocol": "openenv", "action": "game_fakes:GuessAction",
+@pytest.mark.parametrize("make, action", [("game_fakes:OpenEnvGame", "game_fakes:GuessAction"),
+                                          ("game_fakes:OpenEnvClient", "game_fakes:GuessAction"),
+                                          ("game_fakes:OpenEnvAsyncClient", "game_fakes:GenericAction")])
+def test_openenv_typed_actions_and_observations_local_or_client(tok, make, action):
+    """A local Environment, a blocking client, and an async one (its .sync(); dict observations)."""
+    kwargs = {"base_url": "ws://fake"} if make.endswith("AsyncClient") else {}
+    _, _, batch = play(tok, {"make": make, "kwargs": kwargs, "protocol": "openenv", "action": action,
                              "action_field": "guess", "observation_field": "feedback"})
     assert [r.reward for r in batch.records] == [0.5, 0.5, 0.25, 0.25]
     assert environment_says(batch.records[0]) == ["higher", "higher"]

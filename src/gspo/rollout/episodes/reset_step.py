@@ -23,9 +23,10 @@ until the environment says done. The protocols (``PROTOCOLS``):
 * ``gym`` (GEM, gymnasium): ``reset(seed=) -> (obs, info)``, ``step(action) -> (obs, reward,
   terminated, truncated, info)``; the reward is the sum of the step rewards.
 * ``openenv``: ``reset(seed=)`` and ``step(Action)`` answer a ``StepResult`` (a client:
-  ``.observation``, ``.reward``, ``.done``) or an ``Observation`` (a local ``Environment``:
-  ``.reward``, ``.done`` on it); the action is ``action(**{action_field: text})``, the text of a
-  typed observation its ``observation_field``; the reward is the sum of the step rewards.
+  ``.observation``, ``.reward``, ``.done``; an async ``EnvClient`` is driven through its
+  ``.sync()``) or an ``Observation`` (a local ``Environment``: ``.reward``, ``.done`` on it); the
+  action is ``action(**{action_field: text})``, the text of a typed observation (or of a dict's)
+  its ``observation_field``; the reward is the sum of the step rewards.
 
 The environment's reward is the record's (``rewards.sources: [{type: env}]``); a row that got none
 (a textarena game not finished, a first turn cut short) is a reward failure (``rewards.on_error``).
@@ -37,7 +38,9 @@ imports none of those libraries: ``make`` names the callable that builds the env
 
 from __future__ import annotations
 
+import inspect
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from gspo.envs import Observation, Reply, Turn
@@ -62,13 +65,14 @@ def seed_of(example: Example) -> int:
 
 
 def text_of(obs, field_name: str | None) -> str:
-    """An observation as text: itself when it is a string, else its field ``field_name``."""
+    """An observation as text: itself when it is a string, else its field (or key, of a mapping:
+    openenv's ``GenericEnvClient`` answers dicts) ``field_name``."""
     if isinstance(obs, str):
         return obs
     if field_name is None:
         raise ValueError(f"the observation is a {type(obs).__name__}, not text: name its text field "
                          f"in multiturn.params.observation_field")
-    return str(getattr(obs, field_name))
+    return str(obs[field_name] if isinstance(obs, Mapping) else getattr(obs, field_name))
 
 
 class TextArena:
@@ -117,9 +121,12 @@ class Gym:
 
 
 class OpenEnv:
-    """OpenEnv: a client's ``StepResult`` or a local environment's ``Observation``; typed actions."""
+    """OpenEnv: a client's ``StepResult`` or a local environment's ``Observation``; typed actions.
+    openenv's clients (``EnvClient``) are async: one is driven through its blocking ``.sync()``."""
 
     def __init__(self, env, action=None, action_field=None, observation_field=None, **_):
+        if inspect.iscoroutinefunction(getattr(env, "reset", None)) and callable(getattr(env, "sync", None)):
+            env = env.sync()
         self.env, self.action, self.action_field, self.field = env, action, action_field, observation_field
 
     def read(self, result) -> tuple[str, float | None, bool]:
