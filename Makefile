@@ -54,14 +54,21 @@ test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_train.py tests/rollout/test_engine_config.py tests/rollout/test_vllm_torchrun.py
 
 # The real-library tests of the verifiers agent and the reset_step episode (skipped elsewhere) in
-# their own venv: verifiers 0.3 (its classic API; ~720 MB with its dependencies) and textarena.
+# their own venv: verifiers 0.3 (its classic API; ~720 MB with its dependencies), textarena, GEM
+# and openenv-core. openenv-core 0.3.0 goes in without its dependencies: all of them would add
+# gradio (imported only by its web UI) and fastmcp 4, whose mcp 2 is outside verifiers' mcp<2, and
+# downgrade pillow. What its Environment, server (create_app) and clients import is resolved with
+# verifiers in one install: fastapi, fastmcp 3 (every `import openenv.core` imports it), uvicorn
+# and websockets (mcp and textarena bring these two already).
 VF_VENV := .venv-verifiers
 VF_STAMP := $(VF_VENV)/.installed
 
 $(VF_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VF_VENV)
 	$(VF_VENV)/bin/pip install --quiet "$(TORCH)"
-	$(VF_VENV)/bin/pip install --quiet -e ".[verifiers]" "textarena==0.7.4" "gem-llm==0.1.0" "pytest>=7.4" "pytest-timeout>=2.2"
+	$(VF_VENV)/bin/pip install --quiet -e ".[verifiers]" "textarena==0.7.4" "gem-llm==0.1.0" "pytest>=7.4" "pytest-timeout>=2.2" \
+		"fastapi>=0.104" "fastmcp>=3,<4" "uvicorn>=0.24" "websockets>=15.0.1"
+	$(VF_VENV)/bin/pip install --quiet --no-deps "openenv-core==0.3.0"
 	touch $(VF_STAMP)
 
 test-verifiers: $(VF_STAMP)

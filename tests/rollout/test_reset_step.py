@@ -1,10 +1,13 @@
 """The reset/step episode: games of textarena, GEM / gymnasium and OpenEnv shapes (tests/game_fakes.py,
 the real signatures, none of the libraries installed) open each row, answer its turns through the
 turn loop, and their own reward becomes the row's; a game that raises or hangs ends its row
-counted, and the batch goes on. One test plays a real textarena game, one a real GEM game, each
-where its library is installed (make test-verifiers)."""
+counted, and the batch goes on. One test plays a real textarena game, one a real GEM game, and
+three a real OpenEnv environment (tests/openenv_game.py: local, and behind openenv's own server
+and clients on 127.0.0.1), each where its library is installed (make test-verifiers)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -196,3 +199,42 @@ def test_a_real_gem_game(tok):
     assert [r.end for r in batch.records] == ["done", "done"] and [r.reward for r in batch.records] == [-0.1, -0.1]
     assert [m["content"] for m in batch.records[0].transcript if m["role"] == "assistant"] == ["2"]
     assert episode.metrics["multiturn/env_errors_mean"] == 0
+
+
+def test_a_real_openenv_environment(tok):
+    pytest.importorskip("openenv.core")
+    from openenv_game import GuessEnv
+    GuessEnv.closed.clear()
+    episode, _, batch = play(tok, {"make": "openenv_game:GuessEnv", "protocol": "openenv",
+                                   "action": "openenv_game:GuessAction", "action_field": "guess",
+                                   "observation_field": "feedback"})
+    prompt = tok(PROMPT)["input_ids"]
+    assert (batch.input_ids[:, :len(prompt)] == torch.tensor(prompt)).all()    # reset's observation
+    assert [[m["content"] for m in r.transcript if m["role"] == "assistant"] for r in batch.records][2] == ["0", "1", "2", "3"]
+    assert environment_says(batch.records[0]) == ["higher", "higher"]
+    assert [r.end for r in batch.records] == ["done"] * 4
+    assert [r.reward for r in batch.records] == [0.5, 0.5, 0.25, 0.25]    # the Observation's rewards, summed
+    assert episode.metrics["multiturn/env_errors_mean"] == 0 and episode.metrics["reset_step/unfinished"] == 0
+    assert sorted(GuessEnv.closed) == [2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("client, action", [("openenv_game:GuessClient", "openenv_game:GuessAction"),
+                                            ("openenv.core:GenericEnvClient", "openenv.core:GenericAction")])
+def test_a_real_openenv_server_through_its_client(tok, client, action):
+    """openenv's server on 127.0.0.1 and its (async) WebSocket client as make: each row's client
+    is driven through .sync(); the generic client's observations are dicts."""
+    pytest.importorskip("openenv.core")
+    from openenv_game import GuessEnv, serve
+    GuessEnv.closed.clear()
+    with serve() as url:
+        episode, _, batch = play(tok, {"make": client, "kwargs": {"base_url": url}, "protocol": "openenv",
+                                       "action": action, "action_field": "guess", "observation_field": "feedback"})
+        deadline = time.monotonic() + 10
+        while len(GuessEnv.closed) < 4 and time.monotonic() < deadline:    # the server closes its sessions
+            time.sleep(0.05)
+    assert tok.decode(batch.input_ids[0]).startswith(PROMPT)
+    assert environment_says(batch.records[2]) == ["higher", "higher", "higher"]
+    assert [r.end for r in batch.records] == ["done"] * 4
+    assert [r.reward for r in batch.records] == [0.5, 0.5, 0.25, 0.25]    # the StepResults' rewards, summed
+    assert episode.metrics["multiturn/env_errors_mean"] == 0 and episode.metrics["reset_step/unfinished"] == 0
+    assert sorted(GuessEnv.closed) == [2, 2, 3, 3]          # every row's client closed its session
