@@ -5,6 +5,8 @@ import hashlib
 import subprocess
 import sys
 
+import types
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
@@ -116,7 +118,9 @@ def test_chat_task_renders_prompts_and_keeps_scoring(bpe):
     raw, rendered = arith.split("train")[0], chat.split("train")[0]
     assert rendered.prompt == (f"{IM_START}system\nAdd.{IM_END}\n{IM_START}user\n{raw.prompt}{IM_END}\n"
                                f"{IM_START}assistant\n")
-    assert (rendered.answer, rendered.data) == (raw.answer, raw.data)
+    assert (rendered.answer, rendered.data) == (raw.answer, {"question": raw.prompt, **raw.data})
+    own = ChatTask(types.SimpleNamespace(name="t", split=lambda _: [Example("p", "a", {"question": "Q"})]), bpe)
+    assert own.split("train")[0].data == {"question": "Q"}          # a row's own question is kept
     assert chat.is_correct(raw.answer, rendered) and not chat.is_correct(raw.answer + "1", rendered)
     row = Example("q", "a", {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]})
     assert conversation(row, "ignored") == row.data["messages"]   # a system turn already present

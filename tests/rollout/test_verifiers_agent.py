@@ -193,3 +193,32 @@ def test_the_token_route_serves_verifiers_v1s_token_client(tok):
     m = episode.metrics
     assert m["agent/rows_per_episode"] == 1 and m["agent/calls_mean"] == 2 and m["agent/errors"] == 0
     assert m["agent/overridden_sampling"] == 0          # its stop_token_ids, logprobs=1: nothing overridden
+
+
+class SumScripted(Scripted):
+    """Answers the sum's question one too low, then right once told it is too low."""
+
+    def reply(self, context: list[int], j: int, seed) -> list[int]:
+        text = self.tok.decode(context)
+        total = sum(int(n) for n in text.split("user\n", 1)[1].split(":", 1)[0].split()[1:])
+        answer = f"#{total}" if "too low" in text else f"#{total - 1}"
+        return self.tok(answer, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+
+
+def test_the_feedback_environment_of_the_config_plays_two_turns_and_pays_the_retry(tok):
+    """configs/verifiers_feedback.yaml's environment (gspo.envs.verifiers_sum) under verifiers' own
+    MultiTurnEnv loop: a wrong first answer is told "No, too low.", the second answer continues the
+    same row, and the rubric pays the retry 0.5."""
+    vf = pytest.importorskip("verifiers")
+    if not vf.__version__.startswith("0.3."):
+        pytest.skip(f"verifiers {vf.__version__}: the classic API is 0.3.x")
+    exs = [Example(prompt="", answer="#7", data={"question": q}) for q in ("S 3 4:", "S 1 2 5:")]
+    episode, batch = agent_batch(agent_function("verifiers", {"env_id": "gspo.envs.verifiers_sum"}), tok,
+                                 SumScripted(tok), exs)
+    assert [r.reward for r in batch.records] == [0.5] * 4
+    m = episode.metrics
+    assert m["agent/calls_mean"] == 2 and m["agent/rows_per_episode"] == 1 and m["agent/errors"] == 0
+    row = tok.decode(batch.input_ids[0][batch.attention_mask[0] > 0])
+    assert row.index("#6") < row.index("No, too low.") < row.index("#7")
+    policy = tok.decode(batch.response_ids[0][batch.response_mask[0] > 0])   # the trained tokens
+    assert "#6" in policy and "#7" in policy and "too low" not in policy

@@ -9,7 +9,8 @@ of ``{role, content}``, e.g. from a dataset file), else one user turn holding it
 ``<tools>`` block): the row's own ``tools`` column when it has one (a list of schemas, or that list
 as a JSON string), else the run's (``multiturn.tools`` under ``multiturn.tools_in_prompt``). The rendered text is
 what rollouts, SFT and evaluation condition on and what reward functions get as ``prompt``; the
-row's ``messages`` stay in its columns. The answer is unchanged: a demonstration is the answer
+row's ``messages`` stay in its columns, and the prompt before rendering is its ``question``
+column unless it has one (what an agent sends as the user's message, e.g. verifiers'). The answer is unchanged: a demonstration is the answer
 followed by EOS, which under chat is the template's end-of-turn token
 (``gspo.rollout.tokenization.use_end_of_turn``).
 """
@@ -57,7 +58,7 @@ def render(tokenizer, example: Example, system_prompt: str | None = None,
     text = tokenizer.apply_chat_template(conversation(example, system_prompt), tokenize=False,
                                          add_generation_prompt=True, tools=row_tools(example, tools),
                                          **(template_kwargs or {}))
-    return replace(example, prompt=text)
+    return replace(example, prompt=text, data={"question": example.prompt, **example.data})
 
 
 class ChatTask:

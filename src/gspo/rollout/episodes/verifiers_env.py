@@ -17,7 +17,8 @@ that verifiers ends with an error (its ``error`` field) raises, so the episode i
 
 The input of a row: the environment's ``system_prompt`` and ``few_shot`` messages (as its own
 dataset formatting adds them), then the row's question as the user message (its ``question``
-column, else the example's prompt: use ``task.chat: false``, the endpoint renders the messages),
+column, which ``task.chat: true`` fills with the prompt before the chat template rendered it, else
+the example's prompt),
 its ``answer``, and its ``info``, ``task`` and ``example_id`` columns when it has them. The rows come
 from the run's task; the environment's own dataset is not read. verifiers 0.4 (the v1 API only:
 tasksets, harnesses, an interception server) is refused; verifiers is an optional extra
