@@ -31,6 +31,14 @@ ROW_FIELDS = ("input_ids", "attention_mask", "response_mask", "truncated", "roll
               "behaviour_logp", "routing", "dropped", "loss_mask")
 """The per-row tensors (first dimension N) that ``select`` indexes."""
 
+COLUMNS, RESPONSE, ROW = "columns", "response", "row"
+ROW_LAYOUT = {"input_ids": COLUMNS, "attention_mask": COLUMNS, "routing": COLUMNS,
+              "response_mask": RESPONSE, "rollout_logp": RESPONSE, "behaviour_logp": RESPONSE,
+              "loss_mask": RESPONSE, "truncated": ROW, "dropped": ROW}
+"""How each per-row field is laid out after its first dimension, so that batches of different
+widths can be stacked: COLUMNS [N, L, ...] (prompt left-padded + response right-padded),
+RESPONSE [N, T] (right-padded), ROW [N]."""
+
 
 @dataclass
 class Trajectories:
