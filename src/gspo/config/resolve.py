@@ -17,6 +17,7 @@ always refused for the same one. Derived (``Resolved.derived``, key -> why):
   underflow; the loss is scaled dynamically, gspo.training.loss_scale);
 * ``rollout.async_worker``: unset under ``rollout.placement=ray`` with ``rollout.async`` ->
   thread (the generators are the worker's sampler; a process worker would start its own);
+* ``train.balance_ranks``: auto under torchrun -> tokens, or off under ``rollout.async``;
 * ``rollout.episode``: unset -> tool_loop when ``multiturn.env`` is set, else single_turn;
 * ``train.pack_rows``: unset -> true on a CPU (exact, and measured faster there), false on a GPU
   (not measured) or with ``moe.aux_loss_coef > 0`` (refused when set).
@@ -276,6 +277,20 @@ def async_ratio(out: Resolved) -> None:
                f"objective")
 
 
+def balance_ranks(out: Resolved, env: Environment) -> None:
+    """train.balance_ranks: the rows a rank trains are dealt after the advantages, which the
+    asynchronous worker's π_prox (computed for the rows its rank generated) cannot follow."""
+    c = out.config
+    mode = c.train.balance_ranks
+    if mode == "tokens" and c.rollout.async_:
+        raise ValueError("train.balance_ranks=tokens cannot serve rollout.async (each rank's worker "
+                         "computes π_prox for the rows its rank generated); use "
+                         "train.balance_ranks=off")
+    if mode == "auto" and env.world_size > 1:
+        derive(out, "train.balance_ranks", "off" if c.rollout.async_ else "tokens",
+               "auto: rollout.async" if c.rollout.async_ else "auto: torchrun")
+
+
 def placement(out: Resolved, env: Environment) -> None:
     """What generators on Ray (gspo.rollout.engines.ray_generators) cannot serve yet; the worker of
     rollout.async is a thread whose sampler is the generators."""
@@ -395,6 +410,6 @@ def multiturn(out: Resolved, env: Environment) -> None:
 
 RULES: tuple[Callable[[Resolved, Environment], None], ...] = (
     advantage_scale, minibatches, float16, packed_rows, routing_replay_old, engine, rollout_correction,
-    async_rollout, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn,
+    async_rollout, balance_ranks, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn,
     episode)
 """The rules in the order they run."""
