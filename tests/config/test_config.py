@@ -204,7 +204,8 @@ def test_resolve_is_pure_and_labels_what_it_derives():
 
 def test_balance_ranks_is_tokens_under_torchrun_off_under_async_and_refused_with_async():
     """train.balance_ranks=auto: tokens under torchrun, off with rollout.async (the worker's π_prox
-    is of its rank's own rows), nothing derived in one process; tokens with async: one line."""
+    is of its rank's own rows) or train.minibatch_by=rows (groups are dealt whole), nothing
+    derived in one process; tokens with either: one line."""
     cfg = TrainConfig()
     assert "train.balance_ranks" not in resolve(cfg, Environment()).derived
     out = resolve(cfg, Environment(world_size=2))
@@ -216,6 +217,11 @@ def test_balance_ranks_is_tokens_under_torchrun_off_under_async_and_refused_with
     assert resolve(off, Environment(world_size=2)).config.train.balance_ranks == "off"
     message = _error("train.balance_ranks=tokens", "rollout.async=true")
     assert "train.balance_ranks=tokens cannot serve rollout.async" in message
+    rows = TrainConfig.model_validate({"train": {"minibatch_by": "rows"}})
+    out = resolve(rows, Environment(world_size=2))
+    assert out.derived["train.balance_ranks"] == "off (auto: train.minibatch_by=rows)"
+    message = _error("train.balance_ranks=tokens", "train.minibatch_by=rows")
+    assert "train.balance_ranks=tokens cannot serve train.minibatch_by=rows" in message
 
 
 def test_balance_ranks_refused_with_async_exits_2(tmp_path):

@@ -17,7 +17,8 @@ always refused for the same one. Derived (``Resolved.derived``, key -> why):
   underflow; the loss is scaled dynamically, gspo.training.loss_scale);
 * ``rollout.async_worker``: unset under ``rollout.placement=ray`` with ``rollout.async`` ->
   thread (the generators are the worker's sampler; a process worker would start its own);
-* ``train.balance_ranks``: auto under torchrun -> tokens, or off under ``rollout.async``;
+* ``train.balance_ranks``: auto under torchrun -> tokens, or off under ``rollout.async`` or
+  ``train.minibatch_by=rows``;
 * ``rollout.episode``: unset -> tool_loop when ``multiturn.env`` is set, else single_turn;
 * ``train.pack_rows``: unset -> true on a CPU (exact, and measured faster there), false on a GPU
   (not measured) or with ``moe.aux_loss_coef > 0`` (refused when set).
@@ -278,17 +279,27 @@ def async_ratio(out: Resolved) -> None:
 
 
 def balance_ranks(out: Resolved, env: Environment) -> None:
-    """train.balance_ranks: the rows a rank trains are dealt after the advantages, which the
-    asynchronous worker's π_prox (computed for the rows its rank generated) cannot follow."""
+    """train.balance_ranks: the rows a rank trains are dealt after the advantages, as whole groups
+    (the log-prob passes find a row's prompt group by its position), which neither
+    train.minibatch_by=rows nor the asynchronous worker's π_prox (computed for the rows its rank
+    generated) can follow: auto is off there, tokens refused."""
     c = out.config
-    mode = c.train.balance_ranks
-    if mode == "tokens" and c.rollout.async_:
-        raise ValueError("train.balance_ranks=tokens cannot serve rollout.async (each rank's worker "
-                         "computes π_prox for the rows its rank generated); use "
-                         "train.balance_ranks=off")
-    if mode == "auto" and env.world_size > 1:
-        derive(out, "train.balance_ranks", "off" if c.rollout.async_ else "tokens",
-               "auto: rollout.async" if c.rollout.async_ else "auto: torchrun")
+    why = balance_refusal(c)
+    if c.train.balance_ranks == "tokens" and why is not None:
+        raise ValueError(f"train.balance_ranks=tokens cannot serve {why}; use train.balance_ranks=off")
+    if c.train.balance_ranks == "auto" and env.world_size > 1:
+        derive(out, "train.balance_ranks", "tokens" if why is None else "off",
+               "auto: torchrun" if why is None else f"auto: {why.split(' (')[0]}")
+
+
+def balance_refusal(c: TrainConfig) -> str | None:
+    """Why the ranks' rows cannot be dealt by tokens under this config, or None."""
+    if c.rollout.async_:
+        return "rollout.async (each rank's worker computes π_prox for the rows its rank generated)"
+    if c.train.minibatch_by == "rows":
+        return ("train.minibatch_by=rows (rows are dealt in whole groups: a prompt's responses "
+                "must stay together, the log-prob passes share its prompt by position)")
+    return None
 
 
 def placement(out: Resolved, env: Environment) -> None:

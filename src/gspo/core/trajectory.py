@@ -96,3 +96,13 @@ def scored_mask(batch: Trajectories, mask_truncated: bool) -> Tensor:
     if batch.dropped is not None:
         mask = mask * (~batch.dropped).float().unsqueeze(-1)                # [N, T]
     return mask
+
+
+def row_lengths(batch: Trajectories) -> tuple[Tensor, Tensor]:
+    """[N] CPU prompt tokens and response reach of each row (its columns up to its last response
+    token, tool outputs between turns included): what a forward over it computes (one host sync)."""
+    T = batch.response_mask.shape[1]
+    prompt = batch.attention_mask[:, :-T].sum(-1)                                  # [N]
+    cols = torch.arange(1, T + 1, device=batch.response_mask.device)
+    reach = (batch.response_mask.bool() * cols).amax(-1)                           # [N]
+    return prompt.cpu(), reach.cpu()
