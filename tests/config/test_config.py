@@ -202,8 +202,8 @@ def test_resolve_is_pure_and_labels_what_it_derives():
     assert "rollout.async_worker" in under_torchrun.derived and "rollout.async_worker" not in out.derived
 
 
-def test_balance_ranks_is_tokens_under_torchrun_off_under_async_and_refused_with_async():
-    """train.balance_ranks=auto: tokens under torchrun, off with rollout.async (the worker's π_prox
+def test_balance_ranks_is_tokens_under_torchrun_none_under_async_and_refused_with_async():
+    """train.balance_ranks=auto: tokens under torchrun, none with rollout.async (the worker's π_prox
     is of its rank's own rows) or train.minibatch_by=rows (groups are dealt whole), nothing
     derived in one process; tokens with either: one line."""
     cfg = TrainConfig()
@@ -212,14 +212,15 @@ def test_balance_ranks_is_tokens_under_torchrun_off_under_async_and_refused_with
     assert out.config.train.balance_ranks == "tokens"
     assert out.derived["train.balance_ranks"] == "tokens (auto: torchrun)"
     stale = TrainConfig.model_validate({"rollout": {"async": True}})
-    assert resolve(stale, Environment(world_size=2)).config.train.balance_ranks == "off"
-    off = TrainConfig.model_validate({"train": {"balance_ranks": "off"}})
-    assert resolve(off, Environment(world_size=2)).config.train.balance_ranks == "off"
+    assert resolve(stale, Environment(world_size=2)).config.train.balance_ranks == "none"
+    assert load_config(None, ["train.balance_ranks=none"]).train.balance_ranks == "none"  # not YAML's off
+    off = TrainConfig.model_validate({"train": {"balance_ranks": "none"}})
+    assert resolve(off, Environment(world_size=2)).config.train.balance_ranks == "none"
     message = _error("train.balance_ranks=tokens", "rollout.async=true")
     assert "train.balance_ranks=tokens cannot serve rollout.async" in message
     rows = TrainConfig.model_validate({"train": {"minibatch_by": "rows"}})
     out = resolve(rows, Environment(world_size=2))
-    assert out.derived["train.balance_ranks"] == "off (auto: train.minibatch_by=rows)"
+    assert out.derived["train.balance_ranks"] == "none (auto: train.minibatch_by=rows)"
     message = _error("train.balance_ranks=tokens", "train.minibatch_by=rows")
     assert "train.balance_ranks=tokens cannot serve train.minibatch_by=rows" in message
 

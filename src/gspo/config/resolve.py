@@ -17,7 +17,7 @@ always refused for the same one. Derived (``Resolved.derived``, key -> why):
   underflow; the loss is scaled dynamically, gspo.training.loss_scale);
 * ``rollout.async_worker``: unset under ``rollout.placement=ray`` with ``rollout.async`` ->
   thread (the generators are the worker's sampler; a process worker would start its own);
-* ``train.balance_ranks``: auto under torchrun -> tokens, or off under ``rollout.async`` or
+* ``train.balance_ranks``: auto under torchrun -> tokens, or none under ``rollout.async`` or
   ``train.minibatch_by=rows``;
 * ``rollout.episode``: unset -> tool_loop when ``multiturn.env`` is set, else single_turn;
 * ``train.pack_rows``: unset -> true on a CPU (exact, and measured faster there), false on a GPU
@@ -282,13 +282,13 @@ def balance_ranks(out: Resolved, env: Environment) -> None:
     """train.balance_ranks: the rows a rank trains are dealt after the advantages, as whole groups
     (the log-prob passes find a row's prompt group by its position), which neither
     train.minibatch_by=rows nor the asynchronous worker's π_prox (computed for the rows its rank
-    generated) can follow: auto is off there, tokens refused."""
+    generated) can follow: auto is none there, tokens refused."""
     c = out.config
     why = balance_refusal(c)
     if c.train.balance_ranks == "tokens" and why is not None:
-        raise ValueError(f"train.balance_ranks=tokens cannot serve {why}; use train.balance_ranks=off")
+        raise ValueError(f"train.balance_ranks=tokens cannot serve {why}; use train.balance_ranks=none")
     if c.train.balance_ranks == "auto" and env.world_size > 1:
-        derive(out, "train.balance_ranks", "tokens" if why is None else "off",
+        derive(out, "train.balance_ranks", "tokens" if why is None else "none",
                "auto: torchrun" if why is None else f"auto: {why.split(' (')[0]}")
 
 

@@ -26,7 +26,7 @@ loss and gradient are the single process's up to float rounding. One process: no
 
 Metrics (the same on every rank): ``perf/rank_tokens_max_over_mean``, of each minibatch the most
 tokens a rank holds over the ranks' mean, averaged over minibatches (1: balanced), and
-``perf/rank_tokens_max_over_mean_unbalanced``, the same for the contiguous shares (off: both are
+``perf/rank_tokens_max_over_mean_unbalanced``, the same for the contiguous shares (none: both are
 that of the shares). Shapes: N rows, T response positions, M minibatches, K ranks.
 """
 

@@ -221,13 +221,13 @@ class RLStep:
     # ----------------------------------------------------------------------------- its parts
     def deal(self, batch: RolloutBatch, rewards: Tensor, advantages: Tensor, step: int) -> Dealt:
         """The rows this rank trains: under torchrun, each minibatch's groups dealt to the ranks
-        by tokens unless train.balance_ranks=off or the config cannot deal them (auto then means
-        off: gspo.config.resolve.balance_refusal); one process: the batch (gspo.training.balance)."""
+        by tokens unless train.balance_ranks=none or the config cannot deal them (auto then means
+        none: gspo.config.resolve.balance_refusal); one process: the batch (gspo.training.balance)."""
         cfg = self.cfg
         return balance.deal(self.ranks, batch, rewards, advantages,
                             minibatches=cfg.train.minibatches, seed=minibatch_seed(cfg.seed, step),
                             unit=cfg.minibatch_unit, pad_id=self.pad_id,
-                            balance=cfg.train.balance_ranks != "off" and balance_refusal(cfg) is None)
+                            balance=cfg.train.balance_ranks != "none" and balance_refusal(cfg) is None)
 
     def plan(self, batch: RolloutBatch, advantages: Tensor, step: int, speed_paths: bool = True,
              strategy: Strategy | None = None, minibatches: list[Tensor] | None = None
