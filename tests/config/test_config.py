@@ -202,6 +202,41 @@ def test_resolve_is_pure_and_labels_what_it_derives():
     assert "rollout.async_worker" in under_torchrun.derived and "rollout.async_worker" not in out.derived
 
 
+def test_balance_ranks_is_tokens_under_torchrun_none_under_async_and_refused_with_async():
+    """train.balance_ranks=auto: tokens under torchrun, none with rollout.async (the worker's π_prox
+    is of its rank's own rows) or train.minibatch_by=rows (groups are dealt whole), nothing
+    derived in one process; tokens with either: one line."""
+    cfg = TrainConfig()
+    assert "train.balance_ranks" not in resolve(cfg, Environment()).derived
+    out = resolve(cfg, Environment(world_size=2))
+    assert out.config.train.balance_ranks == "tokens"
+    assert out.derived["train.balance_ranks"] == "tokens (auto: torchrun)"
+    stale = TrainConfig.model_validate({"rollout": {"async": True}})
+    assert resolve(stale, Environment(world_size=2)).config.train.balance_ranks == "none"
+    assert load_config(None, ["train.balance_ranks=none"]).train.balance_ranks == "none"  # not YAML's off
+    off = TrainConfig.model_validate({"train": {"balance_ranks": "none"}})
+    assert resolve(off, Environment(world_size=2)).config.train.balance_ranks == "none"
+    message = _error("train.balance_ranks=tokens", "rollout.async=true")
+    assert "train.balance_ranks=tokens cannot serve rollout.async" in message
+    rows = TrainConfig.model_validate({"train": {"minibatch_by": "rows"}})
+    out = resolve(rows, Environment(world_size=2))
+    assert out.derived["train.balance_ranks"] == "none (auto: train.minibatch_by=rows)"
+    message = _error("train.balance_ranks=tokens", "train.minibatch_by=rows")
+    assert "train.balance_ranks=tokens cannot serve train.minibatch_by=rows" in message
+
+
+def test_balance_ranks_refused_with_async_exits_2(tmp_path):
+    """The refusal is a UserError: one line on stderr and exit status 2, before any model loads."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "gspo", "train", "train.balance_ranks=tokens",
+                          "rollout.async=true", f"run.dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "train.balance_ranks=tokens cannot serve rollout.async" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
 # ------------------------------------------------------------------------------- files
 
 def test_invalid_yaml_names_file_and_line(tmp_path):

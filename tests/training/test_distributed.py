@@ -355,6 +355,109 @@ def test_trainer_update_two_ranks_equals_one_process(tmp_path, monkeypatch):
             assert torch.equal(p.detach(), got[name]), (strategy, name)     # what rank 0 saved
 
 
+# ----------------------------------------------------------------------------- balanced ranks
+
+BALANCED = ["train.minibatches=3", "train.balance_ranks=tokens"]   # 5 groups: 2 + 2 + 1 per minibatch
+BALANCED_STEPS = (2, 5)
+"""Steps whose minibatch split (seed 0) holds, at step 2, rank 0's groups {0, 1} in one minibatch
+and rank 1's {3, 4} in another, which dealing splits; at step 5 only mixed pairs."""
+
+
+def _ragged(batch):
+    """The batch with the responses of the last two prompts (rank 1's share) cut to one token:
+    rank 0 holds most tokens, so dealing by tokens moves groups between the ranks."""
+    T = batch.response_mask.shape[1]
+    short = torch.arange(len(batch.truncated)) >= 3 * G
+    batch.response_mask[short, 1:] = 0.0
+    batch.attention_mask[short, -T + 1:] = 0
+    return batch
+
+
+def _row_facts(dealt) -> list[tuple]:
+    """(attended ids, reward, advantage, completion, example) of each row dealt here."""
+    b = dealt.batch
+    return [(tuple(b.input_ids[i][b.attention_mask[i].bool()].tolist()), float(dealt.rewards[i]),
+             round(float(dealt.advantages[i]), 6), b.completions[i], repr(b.examples[i]))
+            for i in range(len(dealt.rewards))]
+
+
+def _balanced_updates(run_dir: Path, strategy: str, optimized: bool) -> tuple:
+    """Two dealt ``RLStep`` updates (SGD) on a fixed ragged global batch: this rank's share,
+    dealt by tokens (one process: the batch as it is); (trainer, metrics, rows' facts)."""
+    from gspo.config import load_config
+    from gspo.training.trainer import Trainer
+    cfg = load_config(None, [*TRAIN, f"run.dir={run_dir}", f"dist.strategy={strategy}", *BALANCED])
+    trainer = Trainer(cfg)
+    with mock.patch("gspo.training.trainer.build_optimizer", linear_optimizer):
+        trainer.setup()
+    trainer.start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    dist, examples = trainer.dist, trainer.train_set[:P]
+    history, facts = [], []
+    for step in BALANCED_STEPS:
+        batch = _ragged(trainer.collector.generate(examples, seed=100 + step))  # alike on every rank
+        rewards = torch.tensor([float(len(c) % 3) for c in batch.completions])
+        advantages = group_advantages(rewards, G)
+        rows = _rows(dist.rank, dist.world)
+        dealt = trainer.step.deal(batch.select(rows), rewards[rows], advantages[rows], step)
+        facts.append(_row_facts(dealt))
+        plan = trainer.step.plan(dealt.batch, dealt.advantages, step, speed_paths=optimized,
+                                 minibatches=dealt.minibatches)
+        old = trainer.step.old_logprobs(dealt.batch, rows=plan.old_rows)
+        metrics = trainer.step.update(dealt.batch, OldLogprobs(old, dealt.advantages), plan)[0]
+        history.append({**{k: metrics[k] for k in TRAINER_METRICS}, **dealt.metrics})
+    trainer.save(2, 0.0)
+    return trainer, history, facts
+
+
+def _balanced_worker(rank: int, world: int, port: int, root: str) -> None:
+    _init(rank, world, port)
+    for strategy, optimized in (("ddp", True), ("fsdp", False)):
+        trainer, history, facts = _balanced_updates(Path(root) / f"two-{strategy}", strategy,
+                                                    optimized)
+        torch.save((history, facts), Path(root) / f"balanced_{strategy}_{rank}.pt")
+    distributed.shutdown()
+
+
+@pytest.mark.slow
+def test_ranks_balanced_by_tokens_equal_one_process(tmp_path, monkeypatch):
+    """train.balance_ranks=tokens on 2 ranks, a ragged batch (rank 1's responses one token long):
+    groups move between the ranks, each with its reward, advantage, completion and example; the
+    per-minibatch token loads are more even than the contiguous shares'; and two SGD updates (ddp
+    with the speed plan, fsdp) equal the single process's: metrics, checkpointed weights."""
+    from gspo.core import logprobs
+    from gspo.models.presets import load_model
+    from gspo.training.checkpoint import load_latest
+    _spawn(_balanced_worker, str(tmp_path))
+    for strategy, optimized in (("ddp", True), ("fsdp", False)):
+        if strategy == "fsdp":   # as in test_trainer_update_two_ranks_equals_one_process
+            monkeypatch.setattr(logprobs, "_shared_prompt_hidden", lambda *args, **kwargs: None)
+        one, history, facts = _balanced_updates(tmp_path / f"one-{strategy}", strategy, optimized)
+        assert all(row["optim/grad_norm"] > 0 for row in history)
+        assert "perf/rank_tokens_max_over_mean" not in history[0]        # one process: no dealing
+        ranks = [torch.load(tmp_path / f"balanced_{strategy}_{r}.pt") for r in range(WORLD)]
+        for step in range(2):
+            # every row once, on some rank, with its own reward, advantage, text and example
+            got = sorted(row for _, rank_facts in ranks for row in rank_facts[step])
+            assert got == sorted(facts[step]), (strategy, step)
+            assert all(len(rank_facts[step]) % G == 0 for _, rank_facts in ranks)  # whole groups
+        moved = [sorted(ranks[0][1][step]) != sorted(facts[step][:3 * G]) for step in range(2)]
+        assert any(moved), strategy                  # rank 0 trains rows rank 1 generated
+        for rank_history, _ in ranks:
+            for step, (row, row1) in enumerate(zip(rank_history, history)):
+                for key in TRAINER_METRICS:
+                    assert row[key] == pytest.approx(row1[key], rel=1e-4, abs=1e-6), (strategy, step, key)
+                dealt, shares = (row["perf/rank_tokens_max_over_mean"],
+                                 row["perf/rank_tokens_max_over_mean_unbalanced"])
+                assert 1.0 <= dealt <= shares <= WORLD, (strategy, step)
+            assert any(row["perf/rank_tokens_max_over_mean"]
+                       < row["perf/rank_tokens_max_over_mean_unbalanced"] - 0.1
+                       for row in rank_history), strategy
+        weights, _ = load_model(load_latest(tmp_path / f"two-{strategy}").path)
+        expected = {n: p.detach() for n, p in one.model.named_parameters()}
+        got = {n: p.detach() for n, p in weights.named_parameters()}
+        assert update_mismatch(one.start, expected, got) < UPDATE_REL, strategy
+
+
 LORA = "model.lora={r: 4, alpha: 8}"
 
 

@@ -17,6 +17,8 @@ always refused for the same one. Derived (``Resolved.derived``, key -> why):
   underflow; the loss is scaled dynamically, gspo.training.loss_scale);
 * ``rollout.async_worker``: unset under ``rollout.placement=ray`` with ``rollout.async`` ->
   thread (the generators are the worker's sampler; a process worker would start its own);
+* ``train.balance_ranks``: auto under torchrun -> tokens, or none under ``rollout.async`` or
+  ``train.minibatch_by=rows``;
 * ``rollout.episode``: unset -> tool_loop when ``multiturn.env`` is set, else single_turn;
 * ``train.pack_rows``: unset -> true on a CPU (exact, and measured faster there), false on a GPU
   (not measured) or with ``moe.aux_loss_coef > 0`` (refused when set).
@@ -276,6 +278,30 @@ def async_ratio(out: Resolved) -> None:
                f"objective")
 
 
+def balance_ranks(out: Resolved, env: Environment) -> None:
+    """train.balance_ranks: the rows a rank trains are dealt after the advantages, as whole groups
+    (the log-prob passes find a row's prompt group by its position), which neither
+    train.minibatch_by=rows nor the asynchronous worker's π_prox (computed for the rows its rank
+    generated) can follow: auto is none there, tokens refused."""
+    c = out.config
+    why = balance_refusal(c)
+    if c.train.balance_ranks == "tokens" and why is not None:
+        raise ValueError(f"train.balance_ranks=tokens cannot serve {why}; use train.balance_ranks=none")
+    if c.train.balance_ranks == "auto" and env.world_size > 1:
+        derive(out, "train.balance_ranks", "tokens" if why is None else "none",
+               "auto: torchrun" if why is None else f"auto: {why.split(' (')[0]}")
+
+
+def balance_refusal(c: TrainConfig) -> str | None:
+    """Why the ranks' rows cannot be dealt by tokens under this config, or None."""
+    if c.rollout.async_:
+        return "rollout.async (each rank's worker computes π_prox for the rows its rank generated)"
+    if c.train.minibatch_by == "rows":
+        return ("train.minibatch_by=rows (rows are dealt in whole groups: a prompt's responses "
+                "must stay together, the log-prob passes share its prompt by position)")
+    return None
+
+
 def placement(out: Resolved, env: Environment) -> None:
     """What generators on Ray (gspo.rollout.engines.ray_generators) cannot serve yet; the worker of
     rollout.async is a thread whose sampler is the generators."""
@@ -395,6 +421,6 @@ def multiturn(out: Resolved, env: Environment) -> None:
 
 RULES: tuple[Callable[[Resolved, Environment], None], ...] = (
     advantage_scale, minibatches, float16, packed_rows, routing_replay_old, engine, rollout_correction,
-    async_rollout, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn,
+    async_rollout, balance_ranks, placement, guard_kl_ref, task_keys, chat_template, not_built_together, multiturn,
     episode)
 """The rules in the order they run."""

@@ -73,6 +73,8 @@ class TrainLoopConfig(Section):
     """Also ask the generator for its log-probs, only to log their difference from the trainer's (mismatch/*, paper §5.4)."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Rollout-mismatch correction (off by default): see its mode."""
+    balance_ranks: Literal["auto", "tokens", "none"] = "auto"
+    """Under torchrun: deal each minibatch's groups to the ranks by tokens, rows exchanged after the advantages (the update is the same) | none: each rank trains the rows it generated (auto: tokens, none under rollout.async or minibatch_by=rows); docs/distributed.md."""
     skip_zero_advantage: bool = True
     """Skip forward/backward of rows with Â = 0 or an empty mask (their loss is 0); docs/results/performance/speed-paths.md."""
 

@@ -12,7 +12,8 @@ Two savings, both exact for the update (same loss value and gradient):
   they stay in the loss with log π_θ = log π_old (ratio 1), so counts and normalisers are unchanged.
 
 The minibatches themselves are a seeded shuffled partition of the rows (``split_minibatches``,
-``minibatch_seed``: whole groups kept together under train.minibatch_by=groups).
+``minibatch_seed``: whole groups kept together under train.minibatch_by=groups). Under torchrun
+``deal_to_ranks`` deals each minibatch's units to the ranks by tokens (train.balance_ranks).
 Index sets are CPU tensors: planning never waits on the device. Shapes: N rows, M minibatches.
 What it is not: the loop. The trainer runs the plan (``Trainer.update``).
 """
@@ -76,6 +77,50 @@ def split_minibatches(n: int, m: int, generator: torch.Generator, group_size: in
     within = torch.arange(group_size)                                              # [G]
     return [(part[:, None] * group_size + within).reshape(-1)                      # [|part| * G]
             for part in groups.tensor_split(min(m, n // group_size))]
+
+
+def deal_to_ranks(parts: list[Tensor], tokens: Tensor, world: int, unit: int = 1
+                  ) -> list[list[Tensor]]:
+    """Each minibatch's units dealt to ``world`` ranks by tokens: [M][K] CPU global rows.
+
+    ``parts``: the minibatches as global row indices (``split_minibatches``: whole units of
+    ``unit`` consecutive rows); ``tokens`` [N] CPU: each row's tokens. A minibatch's units go
+    longest first to the rank holding the fewest of its tokens so far (ties: the fewest tokens of
+    the step so far, then the lowest rank), so every unit is dealt once, no rank exceeds the
+    minibatch's mean load by more than its longest unit, and while some rank holds nothing of the
+    step the next unit goes to one such rank (with at least K units, every rank gets rows). A
+    rank's rows keep their order in the minibatch."""
+    step_load = [0] * world
+    dealt = []
+    for part in parts:
+        units = part.view(-1, unit)                                            # [u, unit]
+        sizes = tokens[units].sum(-1).tolist()                                 # [u]
+        load, mine = [0] * world, [[] for _ in range(world)]
+        for u in sorted(range(len(sizes)), key=lambda u: -sizes[u]):       # stable: ties in order
+            r = min(range(world), key=lambda r: (load[r], step_load[r]))
+            mine[r].append(u)
+            load[r] += sizes[u]
+            step_load[r] += sizes[u]
+        dealt.append([units[sorted(us)].reshape(-1) if us else part.new_zeros(0) for us in mine])
+    return dealt
+
+
+def owned_rows(parts: list[Tensor], sizes: list[int]) -> list[list[Tensor]]:
+    """[M][K] CPU global rows of each minibatch that rank r holds when the ranks hold contiguous
+    shares of ``sizes`` rows each, in rank order (no dealing: the rows stay where generated)."""
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    return [[p[(p >= lo) & (p < hi)] for lo, hi in zip(bounds, bounds[1:])] for p in parts]
+
+
+def max_over_mean(dealt: list[list[Tensor]], tokens: Tensor) -> float:
+    """Of each minibatch, the most tokens a rank holds over the ranks' mean (1: balanced; K: one
+    rank holds all), averaged over the minibatches with tokens ([M][K] rows, ``tokens`` [N])."""
+    ratios = []
+    for ranks in dealt:
+        loads = torch.stack([tokens[rows].sum() for rows in ranks]).double()    # [K]
+        if loads.sum() > 0:
+            ratios.append(float(loads.max() / loads.mean()))
+    return sum(ratios) / len(ratios) if ratios else 1.0
 
 
 def minibatch_seed(run_seed: int, step: int) -> int:

@@ -31,6 +31,14 @@ ROW_FIELDS = ("input_ids", "attention_mask", "response_mask", "truncated", "roll
               "behaviour_logp", "routing", "dropped", "loss_mask")
 """The per-row tensors (first dimension N) that ``select`` indexes."""
 
+COLUMNS, RESPONSE, ROW = "columns", "response", "row"
+ROW_LAYOUT = {"input_ids": COLUMNS, "attention_mask": COLUMNS, "routing": COLUMNS,
+              "response_mask": RESPONSE, "rollout_logp": RESPONSE, "behaviour_logp": RESPONSE,
+              "loss_mask": RESPONSE, "truncated": ROW, "dropped": ROW}
+"""How each per-row field is laid out after its first dimension, so that batches of different
+widths can be stacked: COLUMNS [N, L, ...] (prompt left-padded + response right-padded),
+RESPONSE [N, T] (right-padded), ROW [N]."""
+
 
 @dataclass
 class Trajectories:
@@ -88,3 +96,13 @@ def scored_mask(batch: Trajectories, mask_truncated: bool) -> Tensor:
     if batch.dropped is not None:
         mask = mask * (~batch.dropped).float().unsqueeze(-1)                # [N, T]
     return mask
+
+
+def row_lengths(batch: Trajectories) -> tuple[Tensor, Tensor]:
+    """[N] CPU prompt tokens and response reach of each row (its columns up to its last response
+    token, tool outputs between turns included): what a forward over it computes (one host sync)."""
+    T = batch.response_mask.shape[1]
+    prompt = batch.attention_mask[:, :-T].sum(-1)                                  # [N]
+    cols = torch.arange(1, T + 1, device=batch.response_mask.device)
+    reach = (batch.response_mask.bool() * cols).amax(-1)                           # [N]
+    return prompt.cpu(), reach.cpu()

@@ -45,6 +45,8 @@ DECLARED: dict[str, str] = {
     # the step (gspo.training.step)
     "train/rows_skipped": SUM, "train/skipped": MAX,
     "perf/tokens_computed": SUM, "perf/tokens_real": SUM,
+    # the ranks' token loads (gspo.training.balance): computed from every rank's counts alike
+    "perf/rank_tokens_max_over_mean": SAME, "perf/rank_tokens_max_over_mean_unbalanced": SAME,
     # wall-clock parts (gspo.observe.timing): the slowest rank's
     "time/{part}": MAX,
     # response-length slices (gspo.observe.diagnostics.length_slices)

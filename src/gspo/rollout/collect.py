@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from gspo.core.trajectory import COLUMNS, RESPONSE, ROW, ROW_FIELDS, ROW_LAYOUT
 from gspo.models import moe
 from gspo.rollout import engines, routing
 from gspo.rollout.engine_host import EngineHost
@@ -221,33 +222,49 @@ def add(totals: dict, values: dict, zero=0.0) -> None:
         totals[key] = totals.get(key, zero) + value
 
 
-def concat_batches(batches: list[RolloutBatch], pad_id: int, limit: int) -> RolloutBatch:
-    """Stack rollout batches of different prompt/response widths, keeping the first ``limit`` rows.
+def concat_batches(batches: list[RolloutBatch], pad_id: int, limit: int | None = None
+                   ) -> RolloutBatch:
+    """Stack rollout batches of different prompt/response widths, keeping the first ``limit`` rows
+    (None: all): every per-row field (``ROW_LAYOUT``), the text beside them, and the correctness
+    when every batch has it.
 
     Prompts are re-padded on the left and responses on the right, so the layout stays
-    "prompt (left-padded) + response (right-padded)" for every row.
+    "prompt (left-padded) + response (right-padded)" for every row. A field that some batches set
+    and others not is refused, except ``dropped`` (None: no row dropped).
     """
     Lp = max(b.input_ids.shape[1] - b.response_mask.shape[1] for b in batches)
     T = max(b.response_mask.shape[1] for b in batches)
 
-    def widen(b: RolloutBatch, x: torch.Tensor, value, response_only: bool = False) -> torch.Tensor:
+    def widen(b: RolloutBatch, x: torch.Tensor, value, layout: str) -> torch.Tensor:
+        if layout == ROW:
+            return x
         t = b.response_mask.shape[1]
-        left = 0 if response_only else Lp - (b.input_ids.shape[1] - t)
+        left = 0 if layout == RESPONSE else Lp - (b.input_ids.shape[1] - t)
         return torch.cat([x.new_full((x.shape[0], left, *x.shape[2:]), value), x,
                           x.new_full((x.shape[0], T - t, *x.shape[2:]), value)], dim=1)
 
-    def stack(get, value, response_only=False) -> torch.Tensor:
-        return torch.cat([widen(b, get(b), value, response_only) for b in batches])[:limit]
+    def stack(name: str) -> torch.Tensor | None:
+        values = [getattr(b, name) for b in batches]
+        if all(v is None for v in values):
+            return None
+        if name == "dropped":
+            values = [torch.zeros_like(b.truncated) if v is None else v
+                      for b, v in zip(batches, values)]
+        if any(v is None for v in values):
+            raise ValueError(f"concat_batches: {name} is set in some batches, not in others")
+        value = pad_id if name == "input_ids" else 0
+        return torch.cat([widen(b, v, value, ROW_LAYOUT[name])
+                          for b, v in zip(batches, values)])[:limit]
 
+    versions = {b.version for b in batches}
+    if len(versions) > 1:
+        raise ValueError(f"concat_batches: batches of weights versions {sorted(versions)}")
+    correct = None if any(b.correct is None for b in batches) \
+        else torch.cat([b.correct for b in batches])[:limit]
     return RolloutBatch(
-        input_ids=stack(lambda b: b.input_ids, pad_id),
-        attention_mask=stack(lambda b: b.attention_mask, 0),
-        response_mask=stack(lambda b: b.response_mask, 0.0, response_only=True),
-        truncated=torch.cat([b.truncated for b in batches])[:limit],
+        **{name: stack(name) for name in ROW_FIELDS},
         completions=sum((b.completions for b in batches), [])[:limit],
         examples=sum((b.examples for b in batches), [])[:limit],
         records=None if batches[0].records is None else sum((b.records for b in batches), [])[:limit],
-        rollout_logp=None if batches[0].rollout_logp is None
-        else stack(lambda b: b.rollout_logp, 0.0, response_only=True),
-        routing=None if batches[0].routing is None else stack(lambda b: b.routing, 0),
+        correct=correct, version=versions.pop(),
     )

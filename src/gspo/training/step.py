@@ -15,6 +15,7 @@ algorithm sits behind small collaborators, each with a narrow interface:
 * ``LogprobPasses`` (gspo.training.passes): the speed paths (rows without signal, the on-policy
   first minibatch, shared prompts) and MoE routing capture / replay;
 * ``Ranks`` (gspo.training.distributed.Dist): global normalisers, gradient sums, metric reduction;
+  under torchrun the rows each rank trains are dealt by tokens (gspo.training.balance);
 * ``Audit`` (gspo.observe.records.Recorder): the audit record of a step.
 
 The math lives in ``gspo.core``: the objective is looked up in the registry, never chosen by an
@@ -32,16 +33,18 @@ import torch
 from torch import Tensor
 
 from gspo.config import TrainConfig
+from gspo.config.resolve import balance_refusal
 from gspo.core import objectives
 from gspo.core.plan import UpdatePlan, live_rows, minibatch_seed, plan_update, token_microbatches
-from gspo.core.trajectory import dropped_rows, scored_mask
+from gspo.core.trajectory import dropped_rows, row_lengths, scored_mask
 from gspo.observe import diagnostics
 from gspo.observe.records import UpdateRecord
 from gspo.observe.timing import StepTimer, breakdown
 from gspo.rewards.isolation import correct_all
 from gspo.rollout.generate import RolloutBatch
-from gspo.training import lora
+from gspo.training import balance, lora
 from gspo.training.algorithms import Algorithm
+from gspo.training.balance import Dealt
 from gspo.training.old_policy import Context, OldLogprobs, OldPolicy, Strategy
 from gspo.training.optim import MinibatchSteps, scaled
 from gspo.training.passes import LogprobPasses, Minibatch, MinibatchForward
@@ -61,6 +64,12 @@ class Ranks(Protocol):
 
     policy: object
     """The FSDP root when the model is sharded (every forward a collective), else None."""
+    rank: int
+    world: int
+
+    @property
+    def enabled(self) -> bool: ...
+    def gather_objects(self, obj) -> list: ...
 
     def any(self, flag: bool) -> bool: ...
     def minibatch_rows(self, n: int, m: int, generator: torch.Generator,
@@ -99,6 +108,8 @@ class RLStep:
     ref_model: torch.nn.Module | None = None       # frozen π_ref when train.beta > 0
     samples: object = None
     """What the model wrote, every run.samples_every steps (gspo.observe.samples; rank 0 only)."""
+    pad_id: int = 0
+    """The tokenizer's padding id: prompts re-padded when ranks exchange rows (train.balance_ranks)."""
     objective: Callable | None = field(init=False)
     """The policy loss from the registry (None: sft, no policy-gradient update)."""
     old_policy: OldPolicy = field(init=False)
@@ -127,9 +138,13 @@ class RLStep:
         # 2. advantages: group-relative [N] (ppo: GAE [N, T]); dropped samples leave the loss
         batch.dropped = dropped_rows(rewards)
         advantages = self.algorithm.advantages(batch, rewards)
+        # under torchrun: each minibatch's groups dealt to the ranks by tokens, the rows exchanged
+        dealt = self.deal(batch, rewards, advantages, step)
+        batch, rewards, advantages = dealt.batch, dealt.rewards, dealt.advantages
+        metrics.update(dealt.metrics)
         # 3. π_old's log-probs [N, T] of the rows the update plan needs (and the loss mask)
         strategy = self.old_policy.pick(batch, step)    # recompute | rollout | behaviour | proximal
-        plan = self.plan(batch, advantages, step, strategy=strategy)
+        plan = self.plan(batch, advantages, step, strategy=strategy, minibatches=dealt.minibatches)
         old = strategy(batch, advantages, plan, timer, step)
         metrics.update(self.ranks.reduce_metrics(old.metrics, len(rewards)))
         # 4. M minibatch updates of the policy, then what else the algorithm trains (ppo: critic)
@@ -204,16 +219,29 @@ class RLStep:
                 "perf/padding_frac": padding}, record
 
     # ----------------------------------------------------------------------------- its parts
+    def deal(self, batch: RolloutBatch, rewards: Tensor, advantages: Tensor, step: int) -> Dealt:
+        """The rows this rank trains: under torchrun, each minibatch's groups dealt to the ranks
+        by tokens unless train.balance_ranks=none or the config cannot deal them (auto then means
+        none: gspo.config.resolve.balance_refusal); one process: the batch (gspo.training.balance)."""
+        cfg = self.cfg
+        return balance.deal(self.ranks, batch, rewards, advantages,
+                            minibatches=cfg.train.minibatches, seed=minibatch_seed(cfg.seed, step),
+                            unit=cfg.minibatch_unit, pad_id=self.pad_id,
+                            balance=cfg.train.balance_ranks != "none" and balance_refusal(cfg) is None)
+
     def plan(self, batch: RolloutBatch, advantages: Tensor, step: int, speed_paths: bool = True,
-             strategy: Strategy | None = None) -> UpdatePlan:
+             strategy: Strategy | None = None, minibatches: list[Tensor] | None = None
+             ) -> UpdatePlan:
         """This step's minibatches and the rows needing a forward (gspo.core.plan);
         ``speed_paths=False``: every row, π_old of every row from the old-log-prob pass.
         ``strategy`` (default: the batch's) says whether the first minibatch's forward may be
-        its rows' π_old."""
+        its rows' π_old. ``minibatches``: this rank's rows of each, as dealt (``deal``); None:
+        drawn here (this rank's rows of the single process's partition)."""
         cfg = self.cfg
-        gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
-        minibatches = self.ranks.minibatch_rows(len(advantages), cfg.train.minibatches, gen,
-                                                cfg.minibatch_unit)                       # this rank's
+        if minibatches is None:
+            gen = torch.Generator().manual_seed(minibatch_seed(cfg.seed, step))
+            minibatches = self.ranks.minibatch_rows(len(advantages), cfg.train.minibatches, gen,
+                                                    cfg.minibatch_unit)                   # this rank's
         if not speed_paths or self.ranks.policy is not None:  # fsdp: forwards are collectives
             return plan_update(minibatches, None, reuse_first=False)
         skip = self.skips_rows and not self.audit.due(step)
@@ -357,16 +385,6 @@ def combined(parts: list[tuple[Tensor, dict]]) -> dict:
             out[k], weight[k] = out.get(k, 0.0) + w_k * v, weight.get(k, 0.0) + w_k
     return {k: v if k in ("policy/loss", "policy/kl_ref") else v / max(float(weight[k]), 1.0)
             for k, v in out.items()}
-
-
-def row_lengths(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-    """[N] CPU prompt tokens and response reach of each row (its columns up to its last response
-    token, tool outputs between turns included): what a forward over it computes (one host sync)."""
-    T = batch.response_mask.shape[1]
-    prompt = batch.attention_mask[:, :-T].sum(-1)                                  # [N]
-    cols = torch.arange(1, T + 1, device=batch.response_mask.device)
-    reach = (batch.response_mask.bool() * cols).amax(-1)                           # [N]
-    return prompt.cpu(), reach.cpu()
 
 
 def trained_rows(plan: UpdatePlan) -> Tensor:

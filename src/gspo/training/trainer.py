@@ -126,7 +126,8 @@ class Trainer:
         self.step = RLStep(cfg=cfg, model=self.model, optimizer=self.optimizer,
                            scheduler=self.scheduler, source=self.rollouts, algorithm=self.algorithm,
                            passes=passes, ranks=self.dist, audit=recorder, task=self.task,
-                           ref_model=self.ref_model, samples=samples)
+                           ref_model=self.ref_model, samples=samples,
+                           pad_id=self.tokenizer.pad_token_id)
         if self.resume:
             self.restore_latest()
 
