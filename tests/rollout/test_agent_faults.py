@@ -104,3 +104,24 @@ def test_many_agents_connecting_at_once_are_all_served(tok):
     exs = [Example(examples(3)[i % 3].prompt, "", examples(3)[i % 3].data) for i in range(32)]
     episode, batch = agent_batch(add_agent, tok, Scripted(tok), exs)
     assert episode.metrics["agent/errors"] == 0 and None not in [r.reward for r in batch.records]
+
+
+def test_a_client_that_hangs_up_leaves_no_traceback(capsys):
+    """An agent past its deadline closes its connection before the answer is written: the server
+    says nothing of it; an unexpected error is still printed."""
+    from gspo.rollout.episodes.endpoint.server import Handler, Server
+    server = Server(("127.0.0.1", 0), Handler)
+    try:
+        for err in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "reset by peer")):
+            try:
+                raise err
+            except ConnectionError:
+                server.handle_error(None, ("127.0.0.1", 1))
+        assert capsys.readouterr().err == ""
+        try:
+            raise KeyError("unexpected")
+        except KeyError:
+            server.handle_error(None, ("127.0.0.1", 1))
+        assert "KeyError: 'unexpected'" in capsys.readouterr().err
+    finally:
+        server.server_close()

@@ -27,6 +27,7 @@ import json
 import re
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -276,6 +277,13 @@ class Server(ThreadingHTTPServer):
         with self.connections_lock:
             self.connections.discard(request)
         super().shutdown_request(request)
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that hung up before its answer was written (an agent past its deadline, a
+        cancelled call) is not the server's fault: no traceback. Anything else: the base's."""
+        if isinstance(sys.exc_info()[1], ConnectionError):     # broken pipe, reset, aborted
+            return
+        super().handle_error(request, client_address)
 
     def close_connections(self) -> None:
         with self.connections_lock:
