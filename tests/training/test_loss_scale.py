@@ -4,6 +4,8 @@ is exact), a float16 gradient that underflows unscaled survives scaled, an overf
 skipped, counted and backs the scale off (the weights untouched), finite updates grow it, and the
 scale survives a state-dict round trip; float16 is resolved to float32 masters."""
 
+import math
+
 import pytest
 import torch
 
@@ -96,3 +98,25 @@ def test_model_dtype_float16_resolves_to_float32_masters():
     with pytest.raises(ValueError, match="master_weights=float32"):
         resolve(TrainConfig(model={"dtype": "float16"}, train={"master_weights": "model"}),
                 Environment())
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
+def test_an_overflow_leaves_the_grad_norm_mean_finite_but_a_float32_inf_is_reported():
+    """An update the loss scale dropped (finite loss, inf gradient) is left out of
+    optim/grad_norm's mean, so the guard's nan rule does not discard the step (restoring the
+    scale's back-off with it); without a loss scale an inf norm is reported as it is."""
+    model, opt, steps = _float16_steps(2.0 ** 24)
+    for _ in range(20):                                      # overflows until S fits, then steps
+        norm = steps.step(_loss(model, torch.float16), model.parameters())
+        steps.add({"optim/grad_norm": norm.detach(), "sft/loss": torch.tensor(1.0)})
+    finite_norms = 20 - steps.skipped
+    assert steps.skipped > 1 and finite_norms > 0
+    assert [len(steps.collected["optim/grad_norm"]), len(steps.collected["sft/loss"])] == [finite_norms, 20]
+    assert math.isfinite(steps.means()["optim/grad_norm"])
+
+    model = _mlp(torch.float32)
+    opt = build_optimizer(model, 1e-3)
+    plain = MinibatchSteps(opt, build_scheduler(opt, "constant", 0, 10), 1.0)
+    loss = (model(torch.ones(2, 8)) * float("inf")).sum()             # finite inputs, inf loss
+    plain.add({"optim/grad_norm": plain.step(loss, model.parameters()).detach()})
+    assert plain.skipped == 1 and not math.isfinite(plain.means()["optim/grad_norm"])

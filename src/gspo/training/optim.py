@@ -56,19 +56,31 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
                          num_training_steps=max(total_steps, 1))
 
 
+GRAD_NORM = "optim/grad_norm"
+
+
 class MinibatchSteps:
     """One optimizer step per minibatch, alike for every algorithm (the RL step, PPO's critic,
     SFT, DPO): gradients in (unscaled first under a loss scale, ``scaled``), the norm clipped, a
     step unless the loss or the norm is non-finite (then the gradient is dropped and the skip
     counted: ``skipped``; a loss scale backs off), the scheduler advanced either way (a skipped
     update does not shift the schedule); and the minibatches' detached metrics averaged with one
-    host sync (``means``; ``optim/loss_scale`` among them under a loss scale)."""
+    host sync (``means``; ``optim/loss_scale`` among them under a loss scale).
+
+    Under a loss scale, an update whose loss is finite but whose gradient is not overflowed at S:
+    the scale's own business (dropped, counted, S backed off), expected now and then in float16.
+    Its gradient norm (inf) is left out of ``optim/grad_norm``'s mean, so the step's metrics stay
+    finite and the stability guard's ``nan`` rule does not discard the step's other updates (and,
+    restoring the optimizer, the scale's back-off with them). Without a loss scale a non-finite
+    norm is reported as it is."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float, *,
                  clip: Callable = torch.nn.utils.clip_grad_norm_):
         self.optimizer, self.scheduler, self.max_norm, self.clip = optimizer, scheduler, max_norm, clip
         self.skipped = 0
+        self.overflowed = False
+        """The last update overflowed under a loss scale: its norm is not reported (``add``)."""
         self.collected: dict[str, list[torch.Tensor]] = {}
 
     def step(self, loss: torch.Tensor, params) -> torch.Tensor:
@@ -84,7 +96,9 @@ class MinibatchSteps:
             self.add({"optim/loss_scale": torch.tensor(scaler.scale)})
             params = self.optimizer.take_grads(scaler.scale)
         norm = self.clip(params, self.max_norm)
-        finite = bool(torch.isfinite(loss.detach()) & torch.isfinite(norm))   # one host sync
+        finite_loss, finite_norm = torch.isfinite(loss.detach()), torch.isfinite(norm)
+        finite = bool(finite_loss & finite_norm)                              # one host sync
+        self.overflowed = scaler is not None and not finite and bool(finite_loss)
         if finite:
             self.optimizer.step()
         else:  # a NaN/Inf loss or gradient is never applied: skip this update, counted
@@ -96,7 +110,10 @@ class MinibatchSteps:
         return norm
 
     def add(self, stats: dict[str, torch.Tensor]) -> None:
-        """One minibatch's detached metrics (tensors)."""
+        """One minibatch's detached metrics (tensors); after an overflow under a loss scale,
+        without its gradient norm."""
+        if self.overflowed:
+            stats, self.overflowed = {k: v for k, v in stats.items() if k != GRAD_NORM}, False
         for key, value in stats.items():
             self.collected.setdefault(key, []).append(value.float())
 
