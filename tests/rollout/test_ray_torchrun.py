@@ -69,7 +69,8 @@ def test_two_ranks_on_ray_train_as_one_colocated_process(tmp_path):
     assert all(r["ray/sync_mb"] > 0 for r in raw[2:])          # a sync before each later step
     assert any(r["reward/std"] > 0 for r in two[1:])           # trained on some signal
     assert "eval/accuracy" in two[2]
-    for a, b in zip(one, two):
+    for a, b in zip(one, two):                # torchrun's own: how the ranks' loads compare
+        b = {k: v for k, v in b.items() if not k.startswith("perf/rank_tokens_")}
         assert a.keys() == b.keys(), a["step"]
         for key in a:
             if key.startswith(SAMPLED) and key != "reward/std":

@@ -53,7 +53,9 @@ def cache(tmp_path_factory):
 
 
 def test_staleness_zero_on_two_ranks_is_the_synchronous_run(tmp_path, cache):
-    two_ranks(f"run.dir={tmp_path / 'sync'}", cache)
+    """The synchronous run keeps each rank's own rows (train.balance_ranks=none), as rollout.async
+    must: dealt rows would sum the same loss in another order."""
+    two_ranks(f"run.dir={tmp_path / 'sync'}", cache, "train.balance_ranks=none")
     two_ranks(f"run.dir={tmp_path / 's0'}", cache, "rollout.async=true", "rollout.max_staleness=0",
               "rollout.async_worker=process")
     sync, s0 = plain(tmp_path / "sync"), plain(tmp_path / "s0")

@@ -74,7 +74,7 @@ class TrainLoopConfig(Section):
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Rollout-mismatch correction (off by default): see its mode."""
     balance_ranks: Literal["auto", "tokens", "none"] = "auto"
-    """Under torchrun: deal each minibatch's groups to the ranks by tokens, rows exchanged after the advantages (the update is the same) | none: each rank trains the rows it generated (auto: tokens, none under rollout.async or minibatch_by=rows); docs/distributed.md."""
+    """torchrun: tokens deals each minibatch's groups to ranks by tokens | none: a rank trains the rows it sampled (auto: tokens where exact); docs/distributed.md."""
     skip_zero_advantage: bool = True
     """Skip forward/backward of rows with Â = 0 or an empty mask (their loss is 0); docs/results/performance/speed-paths.md."""
 
