@@ -25,6 +25,9 @@ from gspo.errors import UserError
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[\w]$")
 FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken")
 """What a download fetches: config and generation config, weights, tokenizer files, template."""
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                   "merges.txt", "*.model", "*.jinja", "*.tiktoken")
+"""What a download fetches for ``model.tokenizer``: the tokenizer and its chat template, no weights."""
 TRUE = ("1", "on", "true", "yes")
 
 
@@ -60,8 +63,9 @@ def cached_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
         return None
 
 
-def local_path(path, key: str = "model.path", repo_type: str = "model") -> str:
-    """Where to load ``path`` from: itself when local, else the id's cached (or downloaded) snapshot."""
+def local_path(path, key: str = "model.path", repo_type: str = "model", files=FILES) -> str:
+    """Where to load ``path`` from: itself when local, else the id's cached (or downloaded: of a
+    model, ``files``) snapshot."""
     if not is_hub_id(path):
         return str(path)
     found = cached_snapshot(str(path), repo_type)
@@ -70,12 +74,12 @@ def local_path(path, key: str = "model.path", repo_type: str = "model") -> str:
     if offline():
         raise UserError(f"{key}: {path!r} is neither a local folder nor in the Hugging Face cache "
                         f"({_cache_dir()}), and HF_HUB_OFFLINE is set: nothing is downloaded")
-    return _download(str(path), key, repo_type)
+    return _download(str(path), key, repo_type, files)
 
 
-def _download(repo_id: str, key: str, repo_type: str) -> str:
+def _download(repo_id: str, key: str, repo_type: str, files=FILES) -> str:
     from huggingface_hub import snapshot_download
-    files = list(FILES) if repo_type == "model" else None   # a dataset: all its data files
+    files = list(files) if repo_type == "model" else None   # a dataset: all its data files
     try:
         return snapshot_download(repo_id, repo_type=repo_type, cache_dir=_cache_dir(),
                                  allow_patterns=files)

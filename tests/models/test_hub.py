@@ -70,6 +70,35 @@ def test_uncached_id_offline_is_one_line_exit_2(hf_cache, tmp_path, capsys, comm
     assert not (tmp_path / "run").exists()
 
 
+def test_a_preset_on_a_tokenizer_named_by_hub_id(tmp_path, monkeypatch, reward_module, capsys):
+    """model.tokenizer=org/name: a cache entry holding only a tokenizer (here the local BPE of the
+    chat tests, ChatML template, saved) builds the preset sized to its vocabulary, trains chat
+    offline, and provenance records the tokenizer's revision; a folder works as well; an uncached
+    id and a folder without a tokenizer are one line, exit 2."""
+    from gspo import tasks
+    from gspo.rollout.tokenization import preset_tokenizer
+    tok = preset_tokenizer("bpe", tasks.build("arithmetic", n_train=200, n_test=10).split("train"), 400)
+    tok.save_pretrained(tmp_path / "tok")
+    cache_entry(tmp_path / "hf", "gspo-test/tokenizer", tmp_path / "tok", commit="e" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    common = ["train", *SMALL, "task.chat=true", "sft.enabled=false", "train.steps=1", "eval.n=4",
+              parity_rewards(reward_module), f"sft.cache_dir={tmp_path / 'sft'}"]
+    assert main([*common, "model.tokenizer=gspo-test/tokenizer", f"run.dir={tmp_path / 'run'}"]) == 0, \
+        capsys.readouterr().err
+    prov = json.loads((tmp_path / "run" / "provenance.json").read_text())
+    assert prov["hub"] == {"model.tokenizer": {"id": "gspo-test/tokenizer", "revision": "e" * 40}}
+    built = json.loads((tmp_path / "run" / "checkpoints" / "step_000001" / "config.json").read_text())
+    assert built["vocab_size"] == len(tok) and built["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert main([*common, f"model.tokenizer={tmp_path / 'tok'}", f"run.dir={tmp_path / 'run2'}"]) == 0
+    capsys.readouterr()
+    for name, says in [("gspo-test/absent", "HF_HUB_OFFLINE"), (str(tmp_path / "hf"), "not a tokenizer folder")]:
+        code = main([*common, f"model.tokenizer={name}", f"run.dir={tmp_path / 'run3'}"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err and says in err, err
+        assert not (tmp_path / "run3").exists()
+
+
 # ------------------------------------------------------------------------------ datasets
 def dataset_entry(cache, repo_id: str, rows: dict[str, list[dict]], commit: str = COMMIT):
     """A dataset repo of one JSONL file per split, in ``cache`` as huggingface_hub stores it."""

@@ -124,3 +124,11 @@ def test_a_model_type_the_engine_refuses_is_refused_before_it_is_built(capsys, t
 def test_vllm_not_installed_is_one_line(capsys, tmp_path):
     err = _fails(capsys, tmp_path, "rollout.engine=vllm")
     assert "rollout.engine: engine 'vllm' needs the 'vllm' package, which is not installed" in err
+
+
+def test_the_inverse_cdf_sampler_is_the_hf_engines(capsys, tmp_path):
+    """rollout.sampler=inverse_cdf is how the hf engine draws; vllm draws with its own sampler:
+    refused in one line rather than silently ignored."""
+    assert load_config(None, ["rollout.sampler=inverse_cdf"]).rollout.sampler == "inverse_cdf"
+    err = _fails(capsys, tmp_path, "rollout.engine=vllm", "rollout.sampler=inverse_cdf")
+    assert "rollout.sampler=inverse_cdf: the engine draws tokens with its own sampler" in err

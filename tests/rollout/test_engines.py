@@ -231,7 +231,7 @@ def test_the_engine_host_merges_for_an_engine_without_adapters_only(monkeypatch)
     engines.register("whole")(WholeWeights)
     policy, tok = lora_policy()
     rollout = SimpleNamespace(engine="whole", dtype="model", engine_sleep=False, quantize=None,
-                              engine_tp=1, placement="colocated")
+                              engine_tp=1, placement="colocated", sampler="multinomial")
     cfg = SimpleNamespace(rollout=rollout, seed=0, run=SimpleNamespace(threads=1))
     host = EngineHost(cfg, policy, tok, OneProcess())
     engine = host.sampler(0)

@@ -6,6 +6,8 @@ import torch
 from gspo.core.logprobs import response_logprobs
 from gspo.models.presets import build_model
 from gspo.rollout.generate import (
+    InverseCDFDraw,
+    draw_rows,
     RolloutBatch,
     SamplingParams,
     demonstration_batch,
@@ -154,6 +156,81 @@ def test_generator_logprobs_match_recomputed(batch, eos_model):
         tau1 = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
                                  temperature=1.0, with_entropy=False).logp
     assert not torch.allclose(batch.rollout_logp, tau1, atol=1e-2)
+
+
+def test_step_by_step_logprobs_equal_generates_stacked_logits(eos_model, prompts):
+    """SampledLogProbs keeps one step's log-softmax, not every step's logits: the log-probs it
+    records equal those of generate's own output_logits (the [N, T, V] reference), also under
+    top-k, where they stay the temperature's full distribution, not the truncated one."""
+    model, tok = eos_model
+    params = SamplingParams(MAX_NEW, temperature=0.7, top_k=5)
+    batch = generate(model, tok, prompts, params, group_size=G, with_logprobs=True, seed=3)
+    enc = tok([ex.prompt for ex in prompts], return_tensors="pt", padding=True, padding_side="left")
+    torch.manual_seed(3)
+    out = model.generate(**{k: v.repeat_interleave(G, 0) for k, v in enc.items() if k != "token_type_ids"},
+                         **params.generate_kwargs(), pad_token_id=tok.pad_token_id,
+                         eos_token_id=EOS, return_dict_in_generate=True, output_logits=True)
+    ids = out.sequences[:, enc["input_ids"].shape[1]:]                                   # [N, T]
+    assert torch.equal(torch.where(batch.response_mask.bool(), ids, tok.pad_token_id),
+                       batch.input_ids[:, enc["input_ids"].shape[1]:])
+    logits = torch.stack(out.logits, 1).float() / 0.7                                    # [N, T, V]
+    ref = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1) * batch.response_mask
+    torch.testing.assert_close(batch.rollout_logp, ref, atol=1e-6, rtol=0)
+    cut = logits.masked_fill(logits < logits.topk(5, -1).values[..., -1:], float("-inf"))
+    top5 = torch.log_softmax(cut, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    policy = batch.response_mask == 1
+    assert (batch.rollout_logp[policy] - top5[policy]).abs().min() > 1e-2
+
+
+def test_inverse_cdf_draws_from_the_warped_softmax():
+    """rollout.sampler=inverse_cdf: 40,000 draws from softmax([0, 1, 2, 3] / 0.5) land within 4
+    standard errors of each probability; top-k=2 never draws outside the two largest; top-p=0.5
+    keeps the smallest set reaching 0.5 (here the largest alone); the scores returned select the
+    draw under argmax."""
+    torch.manual_seed(0)
+    n, logits = 40_000, torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    scores = InverseCDFDraw(0.5)(torch.zeros(n, 1, dtype=torch.long), logits.expand(n, 4))   # [n, 4]
+    assert ((scores == 0).sum(-1) == 1).all() and (scores != 0).eq(scores == float("-inf")).all()
+    freq = torch.bincount(scores.argmax(-1), minlength=4).double() / n
+    p = torch.softmax(logits[0].double() / 0.5, -1)          # 0.0021, 0.0158, 0.1171, 0.8650
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt()).all(), (freq, p)
+    top2 = InverseCDFDraw(1.0, top_k=2)(torch.zeros(n, 1, dtype=torch.long), logits.expand(n, 4))
+    assert set(top2.argmax(-1).tolist()) == {2, 3}
+    top_p = InverseCDFDraw(0.5, top_p=0.5)(torch.zeros(n, 1, dtype=torch.long), logits.expand(n, 4))
+    assert set(top_p.argmax(-1).tolist()) == {3}
+
+
+def test_draw_rows_across_blocks_and_a_short_tail():
+    """draw_rows with blocks of 3 over 10 entries (a tail block of 1): 60,000 draws land within 4
+    standard errors of weight / total, and entries of weight 0 (a whole block of them too) are
+    never drawn."""
+    torch.manual_seed(0)
+    w = torch.tensor([0.5, 0.0, 1.0, 0.0, 0.0, 0.0, 2.0, 0.25, 0.0, 3.0])
+    n = 60_000
+    freq = torch.bincount(draw_rows(w.expand(n, 10), block=3).squeeze(1), minlength=10).double() / n
+    p = w.double() / w.sum()
+    assert (freq[p == 0] == 0).all()
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt()).all(), (freq, p)
+
+
+def test_inverse_cdf_sampler_in_generate(eos_model, prompts):
+    """The hf engine with rollout.sampler=inverse_cdf: the same seed draws the same responses, the
+    sampler's log-probs equal the trainer's recomputation at the temperature, and the draws are
+    not greedy's."""
+    model, tok = eos_model
+    params = SamplingParams(MAX_NEW, temperature=0.7)
+    run = lambda seed: generate(model, tok, prompts, params, group_size=G, with_logprobs=True,
+                                seed=seed, sampler="inverse_cdf")
+    batch, again = run(1), run(1)
+    assert torch.equal(batch.input_ids, again.input_ids)
+    assert run(2).completions != batch.completions
+    with torch.no_grad():
+        ref = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                temperature=0.7, with_entropy=False).logp
+    torch.testing.assert_close(batch.rollout_logp, ref, atol=1e-4, rtol=0)
+    greedy = generate(model, tok, prompts, SamplingParams(MAX_NEW, greedy=True), group_size=G,
+                      sampler="inverse_cdf")
+    assert len(set(batch.completions)) > len(set(greedy.completions))
 
 
 def test_greedy_is_deterministic_and_restores_train_mode(eos_model, prompts):

@@ -36,8 +36,8 @@ class ModelConfig(Section):
     """A local transformers causal-LM checkpoint to start from instead of a preset."""
     overrides: dict[str, Any] = {}
     """Fields set on the preset's transformers config (e.g. {num_hidden_layers: 2})."""
-    tokenizer: Literal["char", "bpe"] = "char"
-    """Tokenizer of a preset: char (one token per ASCII character) | bpe (byte-level BPE, ChatML template); docs/real-models.md."""
+    tokenizer: str = Field("char", min_length=1)
+    """Tokenizer of a preset: char (one per ASCII character) | bpe (byte-level BPE, ChatML) | a tokenizer's folder or hub id; docs/real-models.md."""
     tokenizer_vocab: int = Field(4096, ge=300)
     """bpe: the most tokens it may have (256 bytes + special tokens + merges); a small corpus stops earlier."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -171,6 +171,8 @@ def engine(out: Resolved, env: Environment) -> None:
     refused = [
         (c.moe.routing_replay == "rollout",
          "moe.routing_replay=rollout: the engine does not return the experts it routed to"),
+        (c.rollout.sampler != "multinomial",
+         f"rollout.sampler={c.rollout.sampler}: the engine draws tokens with its own sampler"),
         (env.world_size % c.rollout.engine_tp,
          f"rollout.engine_tp={c.rollout.engine_tp} with torchrun's {env.world_size} processes "
          f"(the engines' tensor-parallel groups must divide them)"),

@@ -68,7 +68,7 @@ class EngineHost:
         settings = {"dtype": None if r.dtype == "model" else DTYPES[r.dtype],
                     "seed": self.cfg.seed, "enable_sleep_mode": r.engine_sleep,
                     "share_prompts": self.share_prompts, "quantize": r.quantize,
-                    "weights": self.weights(), "tensor_parallel": r.engine_tp}
+                    "weights": self.weights(), "tensor_parallel": r.engine_tp, "sampler": r.sampler}
         options = engines.options_for(r.engine, settings)
         if r.placement == "ray":          # generators of their own (engines.ray_generators)
             spec = ray_cluster.RaySpec.of(r, self.cfg.run.threads)
@@ -128,7 +128,7 @@ class EngineHost:
             if engine.module is None:
                 return engine
         if self.evaluator is None:
-            self.evaluator = engines.build("hf", self.model, self.tokenizer)
+            self.evaluator = engines.build("hf", self.model, self.tokenizer, sampler=self.cfg.rollout.sampler)
         return self.evaluator
 
     def gathered(self, engine: engines.Engine) -> ContextManager:

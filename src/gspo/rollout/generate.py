@@ -8,10 +8,15 @@ the first EOS (docs/math.md, The rollout batch). It does not score or train; it 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from gspo.core.logprobs import position_ids_from_mask
 from gspo.core.trajectory import Trajectories
@@ -112,12 +117,93 @@ def left_pad(prompt_ids: list[list[int]], pad_id: int, device=None) -> tuple[tor
     return ids.to(device), mask.to(device)
 
 
+class SampledLogProbs(LogitsProcessor):
+    """Records, step by step, the log-prob of each row's sampled token at the temperature,
+    keeping one step's log-softmax [N, V] instead of ``output_logits``' [N, T, V] (a 151,669-token
+    vocabulary: 600 KB per row per token; 128 rows x 40 tokens were 3 GB a turn).
+
+    ``generate`` calls it with the raw scores of step t, after the processors a model's generation
+    config may add and before the temperature / top-k / top-p warpers; the token sampled at step t
+    is the last of ``input_ids`` at step t + 1 (the last step's token: ``finish``). It changes no
+    score."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.last: torch.Tensor | None = None          # [N, V] log-softmax of the latest step
+        self.taken: list[torch.Tensor] = []            # T-1 x [N] log-probs of the tokens taken
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self.taken.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, -1)
+        return scores
+
+    def finish(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """[N, T] log-probs of ``response_ids`` [N, T] (the generated part of the sequences)."""
+        taken = self.taken + [self.last.gather(-1, response_ids[:, -1:]).squeeze(-1)]
+        self.last, self.taken = None, []
+        return torch.stack(taken, dim=1)
+
+
+def draw_rows(weights: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """[N, 1] one index per row of ``weights`` [N, V] (unnormalised, >= 0, a positive entry per
+    row), drawn with probability proportional to its weight from one uniform per row: the block
+    whose float64 cumulative sum first exceeds it, then the entry within that block. Two short
+    cumulative sums instead of one over V (each a pass over memory at V = 151,669)."""
+    n, v = weights.shape
+    full = v // block * block
+    sums = weights[:, :full].view(n, -1, block).sum(-1)                              # [N, V // block]
+    if full < v:
+        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=1)     # [N, B]
+    cdf = sums.double().cumsum(-1)                                                   # [N, B]
+    u = torch.rand(n, 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    b = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)          # [N, 1]
+    u = u - torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)), 0.0)             # within block b
+    idx = b * block + torch.arange(block, device=weights.device)                     # [N, block]
+    inner = (weights.gather(1, idx.clamp(max=v - 1)) * (idx < v)).double().cumsum(-1)
+    u = torch.minimum(u, inner[:, -1:] * (1 - 1e-12))          # float32 block sum vs float64 cumsum
+    return b * block + torch.searchsorted(inner, u, right=True)
+
+
+class InverseCDFDraw(LogitsProcessor):
+    """Draws each row's next token from softmax(scores / temperature), top-k and top-p applied as
+    transformers applies them, with one uniform per row (``draw_rows``), and returns scores that are
+    0 at the drawn token and -inf elsewhere, so that ``generate``'s greedy argmax takes it
+    (``rollout.sampler=inverse_cdf``). The same distribution as ``torch.multinomial``, another
+    random stream; on a CPU multinomial draws an exponential per vocabulary entry: 0.62 s a step
+    for 128 rows of Qwen3's 151,669 tokens on a 2-core Xeon. Must be the last processor."""
+
+    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0):
+        self.warpers = LogitsProcessorList(
+            [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k > 0 else [])
+            + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        warped = self.warpers(input_ids, scores)              # [N, V], a new tensor (scores / T)
+        token = draw_rows((warped - warped.amax(-1, keepdim=True)).exp_())            # [N, 1]
+        return warped.fill_(float("-inf")).scatter_(1, token, 0.0)
+
+
+SAMPLERS = ("multinomial", "inverse_cdf")
+"""rollout.sampler: how the hf engine draws a token (``generate``'s multinomial, or ``InverseCDFDraw``)."""
+
+
+def draw_kwargs(params: SamplingParams, sampler: str) -> tuple[dict, list[LogitsProcessor]]:
+    """``generate``'s sampling arguments for ``params`` and the processors that go last."""
+    if sampler == "multinomial" or params.greedy:
+        return params.generate_kwargs(), []
+    greedy = replace(params, greedy=True).generate_kwargs()
+    return greedy, [InverseCDFDraw(params.temperature, params.top_k, params.top_p)]
+
+
 @torch.no_grad()
 def sample(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
            params: SamplingParams, *, pad_id: int, eos_id: int, group_size: int = 1,
-           with_logprobs: bool = False, seed: int | None = None, share_prompts: bool = True) -> Samples:
+           with_logprobs: bool = False, seed: int | None = None, share_prompts: bool = True,
+           sampler: str = "multinomial") -> Samples:
     """``group_size`` responses to each left-padded prompt of ``input_ids`` [P, Lp] with
-    transformers ``generate`` (rows grouped consecutively).
+    transformers ``generate`` (rows grouped consecutively), each token drawn by ``sampler``
+    (``SAMPLERS``).
 
     ``share_prompts``: run each prompt through the model once, not G times (``shared_prompt_cache``);
     off when every forward must see all N rows (routing capture at generation)."""
@@ -128,9 +214,11 @@ def sample(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torc
     enc = {k: v.repeat_interleave(group_size, dim=0) for k, v in enc.items()}    # [N, Lp]
     if seed is not None:
         torch.manual_seed(seed)
-    out = model.generate(**enc, **cache, **params.generate_kwargs(), use_cache=True,
-                         pad_token_id=pad_id, eos_token_id=eos_id,
-                         return_dict_in_generate=True, output_logits=with_logprobs,
+    recorder = SampledLogProbs(params.temperature) if with_logprobs else None
+    kwargs, draw = draw_kwargs(params, sampler)
+    out = model.generate(**enc, **cache, **kwargs, use_cache=True,
+                         pad_token_id=pad_id, eos_token_id=eos_id, return_dict_in_generate=True,
+                         logits_processor=LogitsProcessorList([recorder] * bool(recorder) + draw),
                          synced_gpus=False)  # FSDP: weights are gathered first (gspo.training.distributed)
     model.train(was_training)
     response_ids = out.sequences[:, input_ids.shape[1]:]                          # [N, T]
@@ -138,9 +226,7 @@ def sample(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torc
     response_ids = torch.where(mask.bool(), response_ids, pad_id)
     logp = None
     if with_logprobs:
-        logits = torch.stack(out.logits, dim=1).float() / params.temperature      # [N, T, V]
-        logp = torch.log_softmax(logits, -1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-        logp = logp * mask
+        logp = recorder.finish(out.sequences[:, input_ids.shape[1]:]) * mask          # [N, T]
     return Samples(response_ids, mask, truncated, logp)
 
 
@@ -163,14 +249,15 @@ def rollout_batch(tokenizer: PreTrainedTokenizerBase, input_ids: torch.Tensor,
 
 def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
              params: SamplingParams, *, group_size: int = 1, with_logprobs: bool = False,
-             seed: int | None = None, share_prompts: bool = True) -> RolloutBatch:
+             seed: int | None = None, share_prompts: bool = True, sampler: str = "multinomial"
+             ) -> RolloutBatch:
     """Sample ``group_size`` responses for each example (rows grouped consecutively) with ``sample``."""
     device = next(model.parameters()).device
     enc = encode_prompts(tokenizer, [ex.prompt for ex in examples], device)        # [P, Lp]
     samples = sample(model, enc["input_ids"], enc["attention_mask"], params,
                      pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                      group_size=group_size, with_logprobs=with_logprobs, seed=seed,
-                     share_prompts=share_prompts)
+                     share_prompts=share_prompts, sampler=sampler)
     return rollout_batch(tokenizer, enc["input_ids"], enc["attention_mask"], samples, examples,
                          group_size)
 

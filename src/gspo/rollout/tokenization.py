@@ -23,6 +23,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, t
 from tokenizers import models as tk_models
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from gspo.errors import UserError
+from gspo.hub import TOKENIZER_FILES, local_path
 from gspo.models.presets import build_char_tokenizer
 from gspo.registry import Registry
 from gspo.tasks import Example
@@ -88,9 +90,20 @@ TOKENIZERS.add("bpe", lambda examples, vocab_size: build_bpe_tokenizer(training_
 
 
 def preset_tokenizer(name: str, examples: list[Example], vocab_size: int = DEFAULT_BPE_VOCAB
-                     ) -> PreTrainedTokenizerFast:
-    """The tokenizer ``model.tokenizer`` names, built from the training ``examples``."""
-    return TOKENIZERS.get(name)(examples, vocab_size)
+                     ) -> PreTrainedTokenizerBase:
+    """The tokenizer ``model.tokenizer`` names: a builder of ``TOKENIZERS`` (char, bpe: from the
+    training ``examples``), else a tokenizer's folder or hub id (the cache first; of a download only
+    the tokenizer files), loaded with ``AutoTokenizer`` and its chat template."""
+    if name in TOKENIZERS:
+        return TOKENIZERS.get(name)(examples, vocab_size)
+    from transformers import AutoTokenizer
+    folder = local_path(name, key="model.tokenizer", files=TOKENIZER_FILES)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"model.tokenizer: {name!r} is none of {', '.join(TOKENIZERS.names())} and "
+                        f"not a tokenizer folder or hub id ({reason})") from None
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:

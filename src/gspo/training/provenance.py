@@ -201,7 +201,8 @@ def hub_ids(paths: dict) -> dict:
 
 def hub_entry(cfg) -> dict:
     """``{key: {"id", "revision"}}`` for each Hugging Face hub id ``cfg`` loads a checkpoint or dataset from."""
-    paths = {"model.path": cfg.model.path}
+    paths = {"model.path": cfg.model.path,
+             "model.tokenizer": None if cfg.model.path else cfg.model.tokenizer}
     paths.update({f"rewards.sources[{i}].path": s.path for i, s in enumerate(cfg.rewards.sources)
                   if s.type == "model"})
     out = hub_ids(paths)

@@ -26,8 +26,10 @@ class HFEngine(Engine):
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  dtype: torch.dtype | None = None, share_prompts: bool = True,
-                 quantize: str | None = None):
+                 quantize: str | None = None, sampler: str = "multinomial"):
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.sampler = sampler
+        """How a token is drawn (gspo.rollout.generate.SAMPLERS)."""
         self.share_prompts = share_prompts
         self.quantize = quantize
         """A format of gspo.core.quantize.FORMATS (int8 | int4 | fp8): the copy's weight matrices
@@ -59,4 +61,4 @@ class HFEngine(Engine):
         ids, mask = left_pad(prompt_ids, self.pad_id, device)                      # [P, Lp]
         return sample(self.model, ids, mask, params, pad_id=self.pad_id, eos_id=self.eos_id,
                       group_size=group_size, with_logprobs=with_logprobs, seed=seed,
-                      share_prompts=self.share_prompts)
+                      share_prompts=self.share_prompts, sampler=self.sampler)
