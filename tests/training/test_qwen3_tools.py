@@ -55,3 +55,23 @@ def test_qwen3_hermes_tool_job_trains_offline_from_the_cache(qwen3_hub, tmp_path
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     step = next(m for m in metrics if m["step"] == 1 and "multiturn/turns_mean" in m)
     assert "multiturn/tool_parse_errors" in step
+
+
+@pytest.mark.slow
+def test_the_qwen3_tools_config_runs_on_the_tokenizer_folder(qwen3, tmp_path, capsys):
+    """configs/qwen3_tools.yaml as shipped, shrunk, with model.tokenizer pointed at Qwen3's
+    tokenizer folder instead of the hub id: tiny-dense sized to the 151,669 tokens, the <tools>
+    block in the prompt, the inverse-CDF sampler, the tool loop, the control's overrides too."""
+    from conftest import qwen3_files
+    shrink = ["task.n_train=40", "task.n_test=4", "sft.steps=2", "sft.batch_size=4", "train.steps=1",
+              "rollout.prompts_per_step=2", "rollout.group_size=2", "eval.n=2", "eval.k=1",
+              "run.progress=false", "run.trackers=[]", f"model.tokenizer={qwen3_files()}",
+              f"sft.cache_dir={tmp_path / 'sft'}"]
+    for name, extra in [("tools", []), ("off", ["multiturn.env=null", "multiturn.tools=[]"])]:
+        run = tmp_path / name
+        assert main(["train", "configs/qwen3_tools.yaml", *shrink, *extra, f"run.dir={run}"]) == 0, \
+            capsys.readouterr().err
+        built = json.loads((run / "checkpoints" / "step_000001" / "config.json").read_text())
+        assert (built["vocab_size"], built["hidden_size"]) == (len(qwen3), 64)
+        step = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+        assert ("multiturn/tool_parse_errors" in step) == (name == "tools"), sorted(step)
