@@ -171,7 +171,7 @@ def cmd_eval(args) -> int:
     from gspo.rollout.evaluation import evaluate
     from gspo.tools.preflight import check_checkpoint, user_input
     from gspo.training import provenance
-    from gspo.rollout import episodes
+    from gspo.rollout import engines, episodes
     with user_input():
         cfg = command_config(args)
         check_checkpoint("--checkpoint", args.checkpoint)
@@ -184,9 +184,10 @@ def cmd_eval(args) -> int:
     model.to(resolve_device(cfg.model.device))
     tests = eval_examples(task, cfg)
     episode = episodes.build(cfg.rollout.episode, cfg, task)   # multi-turn: whole trajectories
+    engine = engines.build("hf", model, tokenizer, sampler=cfg.rollout.sampler)
     result = evaluate(model, tokenizer, task, tests, max_new_tokens=cfg.rollout.max_new_tokens,
                       k=cfg.eval.k, temperature=cfg.eval.temperature,
-                      batch_size=cfg.eval.batch_size, seed=cfg.seed, episode=episode)
+                      batch_size=cfg.eval.batch_size, seed=cfg.seed, engine=engine, episode=episode)
     out = {"checkpoint": args.checkpoint, "task": cfg.task.name, **result.as_dict(),
            "provenance": provenance.summary(prov)}
     if args.out:

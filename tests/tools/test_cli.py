@@ -115,6 +115,20 @@ def test_eval_prints_json(capsys, saved_tiny):
     assert 0 < result["length"] <= 3
 
 
+def test_eval_samples_with_the_configs_sampler(capsys, saved_tiny, monkeypatch):
+    """gspo eval's pass@k draws as the config's rollout.sampler says (the greedy pass never draws)."""
+    from gspo.rollout import generate
+    draws = []
+    real = generate.draw_rows
+    monkeypatch.setattr(generate, "draw_rows", lambda w, **kw: draws.append(w.shape) or real(w, **kw))
+    argv = ["eval", "--checkpoint", str(saved_tiny), "task.n_train=50", "task.n_test=10",
+            "eval.n=4", "eval.k=2", "rollout.max_new_tokens=3"]
+    assert main(argv) == 0 and draws == []
+    assert main([*argv, "rollout.sampler=inverse_cdf"]) == 0
+    assert draws and all(rows == 4 * 2 for rows, _ in draws), draws
+    capsys.readouterr()
+
+
 def test_sft_command_saves_a_model(capsys, tmp_path):
     out = tmp_path / "sft-model"
     argv = ["sft", "task.n_train=50", "task.n_test=10", "sft.steps=2", "sft.batch_size=8",
