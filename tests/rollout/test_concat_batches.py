@@ -52,3 +52,52 @@ def test_a_field_set_in_some_batches_only_is_refused():
     b.behaviour_logp = None
     with pytest.raises(ValueError, match="behaviour_logp"):
         concat_batches([a, b], PAD)
+
+
+def test_the_rank_exchange_sends_each_row_once_to_the_rank_dealt_it():
+    """gspo.training.balance.exchange between 3 ranks (threads, a mailbox in place of
+    torch.distributed): every rank receives exactly its dealt rows, in the dealt order, each with
+    its reward, advantage, completion and correctness, and a row travels once, to its rank only
+    (what each rank sends sums to the rows it holds). Rank 2 is dealt nothing."""
+    import threading
+    from gspo.training import balance
+
+    world = 3
+    shares = [_batch(2, 3, 4, 0), _batch(3, 2, 2, 100), _batch(2, 4, 2, 200)]    # rows 0-3, 4-5, 6-7
+    wanted = [torch.tensor([5, 0, 1, 6]), torch.tensor([2, 3, 4, 7]), torch.tensor([], dtype=torch.long)]
+    sent, got, box = {}, {}, [None] * world
+    barrier = threading.Barrier(world)
+
+    class Rank:
+        enabled = True
+
+        def __init__(self, rank):
+            self.rank, self.world = rank, world
+
+        def exchange_objects(self, outgoing):
+            sent[self.rank] = [len(ids) for ids, *_ in outgoing]
+            box[self.rank] = outgoing
+            barrier.wait()
+            return [box[src][self.rank] for src in range(world)]
+
+    def run(rank):
+        start = sum(len(b.completions) for b in shares[:rank])
+        n = len(shares[rank].completions)
+        rewards = torch.arange(start, start + n, dtype=torch.float)
+        got[rank] = balance.exchange(Rank(rank), shares[rank], rewards, 10 * rewards, wanted, start, PAD)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    texts = [c for b in shares for c in b.completions]
+    for rank in range(world):
+        batch, rewards, advantages = got[rank]
+        rows = wanted[rank].tolist()
+        assert batch.completions == [texts[g] for g in rows] and rewards.tolist() == rows
+        assert advantages.tolist() == [10 * g for g in rows]
+        assert len(batch.correct) == len(rows) and batch.input_ids.shape[0] == len(rows)
+    assert got[0][0].response_mask.shape[1] == 4 and got[1][0].response_mask.shape[1] == 4
+    assert [sum(sent[r]) for r in range(world)] == [len(b.completions) for b in shares]
+    assert sent[2] == [1, 1, 0] and sent[0][2] == 0                    # rows only to their rank

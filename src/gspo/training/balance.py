@@ -12,9 +12,10 @@ before π_old (``deal``):
 3. each minibatch's groups are dealt to the ranks longest first onto the lightest rank
    (``gspo.core.plan.deal_to_ranks``), whole: a rank's rows stay G-aligned groups, which the
    log-prob passes read a row's prompt group from (``LogprobPasses.prompt_groups``);
-4. the ranks' batches are exchanged (on the CPU, one ``all_gather_object``) and each keeps the rows
-   dealt to it, minibatch after minibatch: every per-row field (``ROW_FIELDS``), the completions,
-   examples, episode records, correctness, rewards and advantages travel with their row.
+4. the rows are exchanged on the CPU, all to all: each rank sends every other rank only the rows
+   dealt to it (``Ranks.exchange_objects``), and each keeps its rows minibatch after minibatch,
+   stacked to the widths of the rows it received: every per-row field (``ROW_FIELDS``), the
+   completions, examples, episode records, correctness, rewards and advantages travel with their row.
 
 Everything after it (π_old, the update, the length slices, the samples) runs on the dealt rows;
 ``Dealt.minibatches`` are the local rows of each minibatch. Minibatch m holds the same rows as
@@ -54,6 +55,7 @@ class RankRows(Protocol):
     @property
     def enabled(self) -> bool: ...
     def gather_objects(self, obj) -> list: ...
+    def exchange_objects(self, outgoing: list) -> list: ...
 
 
 @dataclass
@@ -86,26 +88,43 @@ def deal(ranks: RankRows, batch: RolloutBatch, rewards: Tensor, advantages: Tens
         return Dealt(batch, rewards, advantages, None, metrics)
     dealt = deal_to_ranks(parts, tokens, ranks.world, unit)
     metrics["perf/rank_tokens_max_over_mean"] = max_over_mean(dealt, tokens)
-    mine = [ranks_rows[ranks.rank] for ranks_rows in dealt]                  # M x [m_r] global
-    batch, rewards, advantages = exchange(ranks, batch, rewards, advantages, torch.cat(mine), pad_id)
-    local = list(torch.arange(len(rewards)).split([len(rows) for rows in mine]))
+    wanted = [torch.cat([ranks_rows[r] for ranks_rows in dealt]) for r in range(ranks.world)]
+    start = sum(len(share) for share in everyone[:ranks.rank])                # my first global row
+    batch, rewards, advantages = exchange(ranks, batch, rewards, advantages, wanted, start, pad_id)
+    mine = wanted[ranks.rank]
+    local = list(torch.arange(len(mine)).split([len(rows[ranks.rank]) for rows in dealt]))
     return Dealt(batch, rewards, advantages, local, metrics)
 
 
 def exchange(ranks: RankRows, batch: RolloutBatch, rewards: Tensor, advantages: Tensor,
-             rows: Tensor, pad_id: int) -> tuple[RolloutBatch, Tensor, Tensor]:
-    """Rows ``rows`` (CPU, of the global batch: the ranks' rows in rank order) of every rank's
-    (batch, rewards, advantages), brought here: the batches travel whole, on the CPU, and are
-    stacked to a common prompt and response width (``concat_batches``)."""
+             wanted: list[Tensor], start: int, pad_id: int) -> tuple[RolloutBatch, Tensor, Tensor]:
+    """Rank r's rows ``wanted[r]`` (CPU, global rows: the ranks' rows in rank order, this rank's
+    from ``start``), brought to it from the ranks that generated them, in ``wanted[r]``'s order:
+    each rank sends each other rank only its rows (``Ranks.exchange_objects``); the pieces are
+    stacked to their common prompt and response width (``concat_batches``)."""
     device, where = batch.input_ids.device, (rewards.device, advantages.device)
-    everyone = ranks.gather_objects((on(batch, "cpu"), rewards.cpu(), advantages.cpu()))
-    whole = concat_batches([b for b, _, _ in everyone], pad_id)
-    kept = whole.select(rows)
-    kept.correct = None if whole.correct is None else whole.correct[rows]      # (select drops it)
-    T = whole.response_mask.shape[1]
-    all_rewards = torch.cat([r for _, r, _ in everyone])                       # [N]
-    all_advantages = torch.cat([widened(a, T) for _, _, a in everyone])        # [N] or [N, T]
-    return on(kept, device), all_rewards[rows].to(where[0]), all_advantages[rows].to(where[1])
+    n = len(rewards)
+    cpu = on(batch, "cpu")
+    outgoing = []
+    for rows in wanted:
+        ids = rows[(rows >= start) & (rows < start + n)]                    # mine among its rows
+        local = ids - start
+        piece = cpu.select(local)
+        piece.correct = None if cpu.correct is None else cpu.correct[local]   # (select drops it)
+        outgoing.append((ids, piece, rewards.cpu()[local], advantages.cpu()[local]))
+    pieces = [p for p in ranks.exchange_objects(outgoing) if len(p[0])]
+    if not pieces:                                        # no rows dealt here
+        return on(outgoing[ranks.rank][1], device), rewards[:0], advantages[:0]
+    got = concat_batches([p[1] for p in pieces], pad_id)
+    T = got.response_mask.shape[1]
+    ids = torch.cat([p[0] for p in pieces])                                  # [n'] global, received
+    position = {int(g): i for i, g in enumerate(ids)}
+    order = torch.tensor([position[int(g)] for g in wanted[ranks.rank]], dtype=torch.long)
+    kept = got.select(order)
+    kept.correct = None if got.correct is None else got.correct[order]
+    all_rewards = torch.cat([p[2] for p in pieces])[order]                   # [n']
+    all_advantages = torch.cat([widened(p[3], T) for p in pieces])[order]    # [n'] or [n', T]
+    return on(kept, device), all_rewards.to(where[0]), all_advantages.to(where[1])
 
 
 def on(batch: RolloutBatch, device) -> RolloutBatch:

@@ -94,6 +94,18 @@ class Ranks:
         dist.all_gather_object(out, obj)
         return out
 
+    def exchange_objects(self, outgoing: list) -> list:
+        """All-to-all of picklable objects: ``outgoing[d]`` goes to rank d; returns what each rank
+        sent here, in rank order (one scatter per rank: an object travels to its rank only)."""
+        if not self.enabled:
+            return list(outgoing)
+        incoming = []
+        for src in range(self.world):
+            box = [None]
+            dist.scatter_object_list(box, outgoing if self.rank == src else None, src=src)
+            incoming.append(box[0])
+        return incoming
+
     def on_main(self, fn: Callable, alongside: int = 1):
         """``fn()`` run on rank 0 only; its result (or its exception) reaches every rank.
         ``alongside`` > 1: ranks 1 .. alongside-1 run it too, in step with rank 0 (the ranks of
