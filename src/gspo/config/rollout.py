@@ -25,7 +25,7 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0: off)."""
     sampler: Literal["multinomial", "inverse_cdf"] = "multinomial"
-    """hf engine, how a token is drawn: multinomial (generate's) | inverse_cdf (same law, ~8x faster on a CPU at 151k tokens); docs/engines.md."""
+    """hf engine, how a token is drawn: multinomial (generate's) | inverse_cdf (same law, ~5x faster on a CPU at 151k tokens); docs/engines.md."""
     dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     """Precision of the sampler: model (the policy itself) or a copy in this dtype, refreshed before every generation (docs/engines.md)."""
     quantize: str | None = None
