@@ -16,4 +16,4 @@ class AgentConfig(Section):
     timeout_s: float = Field(60.0, gt=0)
     """Deadline of one episode, the agent and its scoring: past it the episode is counted (agent/timeouts) and gets no reward."""
     batch_wait_s: float = Field(2.0, gt=0)
-    """Longest wait for every live episode to send a call before the endpoint samples those waiting (a partial batch: agent/partial_batches)."""
+    """Calls wait for every live episode's; with none arriving for this long, those waiting are sampled (a partial batch: agent/partial_batches)."""

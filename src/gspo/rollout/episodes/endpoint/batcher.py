@@ -2,8 +2,10 @@
 
 The server's request threads ``submit`` a call and wait; the thread that owns the engine (the
 episode's) runs ``Batcher.run``: it flushes when every live episode has a call waiting (the
-episode launched the agents, so it knows how many are live), or when the oldest waiting call has
-waited ``wait_s``. A flush is one engine call over the waiting calls in episode order, flush k
+episode launched the agents, so it knows how many are live), or when no call has arrived for
+``wait_s`` while some wait (an agent that sends nothing holds the others that long after the last
+arrival; agents still starting, or slowed by each other on a busy CPU, keep the batch whole as
+long as their calls keep coming). A flush is one engine call over the waiting calls in episode order, flush k
 seeded ``seed + k·TURN_SEED_STRIDE`` as the tool loop seeds its turns, so a deterministic agent
 gets the same batches, and the same samples, run after run. A flush of calls that all open their
 episodes, in runs of g identical prompts (a group's G first turns), is sampled g per prompt with
@@ -58,19 +60,20 @@ class Batcher:
         self.engine, self.params, self.seed, self.wait_s = engine, params, seed, wait_s
         self.live = set(range(episodes))
         self.waiting: list[Request] = []
+        self.last_arrival = time.monotonic()
         self.cond = threading.Condition()
         self.flushes = 0
         self.engine_calls = 0
         self.partial = 0
-        """Flushes made before every live episode waited (``wait_s`` passed): batches, and so
-        seeds, that depend on timing."""
+        """Flushes made before every live episode waited (no call for ``wait_s``): batches, and
+        so seeds, that depend on timing."""
 
     def submit(self, request: Request, timeout: float | None = None) -> tuple[list[int], list[float]]:
         """Queue ``request`` and wait for its sample (Closed: its episode ended first)."""
         with self.cond:
             if request.episode not in self.live:
                 raise Closed("the episode has ended")
-            request.since = time.monotonic()
+            self.last_arrival = time.monotonic()
             self.waiting.append(request)
             self.cond.notify_all()
         if not request.done.wait(timeout):
@@ -90,12 +93,12 @@ class Batcher:
             self.cond.notify_all()
 
     def ready(self) -> bool:
-        """Every live episode waits, or the oldest call has waited ``wait_s``."""
+        """Every live episode waits, or calls wait and none has arrived for ``wait_s``."""
         if not self.waiting:
             return False
         if {r.episode for r in self.waiting} >= self.live:
             return True
-        return time.monotonic() - min(r.since for r in self.waiting) >= self.wait_s
+        return time.monotonic() - self.last_arrival >= self.wait_s
 
     def run(self, finished, poll_s: float = 0.02) -> None:
         """Flush until ``finished()`` (called every ``poll_s``: it may end episodes) says every
