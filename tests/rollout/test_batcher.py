@@ -54,10 +54,10 @@ def _run(starts: list[float | None], wait_s: float) -> tuple[Echo, Batcher, floa
 
 
 def test_staggered_starts_within_the_wait_make_one_batch():
-    """Five episodes whose calls arrive 0.3 s apart (1.2 s from first to last) with wait_s = 0.6:
-    the oldest call waits 1.2 s, twice wait_s, and still one engine call takes all five."""
-    engine, batcher, _ = _run([0.3 * e for e in range(5)], wait_s=0.6)
-    assert engine.calls == [5] and batcher.partial == 0
+    """Six episodes whose calls arrive 0.2 s apart (1.0 s from first to last) with wait_s = 0.6:
+    the oldest call waits 1.0 s, beyond wait_s, and still one engine call takes all six."""
+    engine, batcher, _ = _run([0.2 * e for e in range(6)], wait_s=0.6)
+    assert engine.calls == [6] and batcher.partial == 0
 
 
 def test_an_episode_that_never_calls_holds_the_others_wait_s_after_the_last_arrival():

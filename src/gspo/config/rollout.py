@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, field_validator
 from gspo.config.base import Section, one_of
 from gspo.core.quantize import FORMATS
 from gspo.rollout import engines, episodes
+from gspo.rollout.generate import SAMPLERS
 
 
 class RolloutConfig(Section):
@@ -24,7 +25,7 @@ class RolloutConfig(Section):
     """Nucleus sampling (1.0: off). Log-probs ignore it, as in the paper."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0: off)."""
-    sampler: Literal["multinomial", "inverse_cdf"] = "multinomial"
+    sampler: str = "multinomial"
     """hf engine, how a token is drawn: multinomial (generate's) | inverse_cdf (same law, ~5x faster on a CPU at 151k tokens); docs/engines.md."""
     dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     """Precision of the sampler: model (the policy itself) or a copy in this dtype, refreshed before every generation (docs/engines.md)."""
@@ -64,6 +65,11 @@ class RolloutConfig(Section):
     @classmethod
     def _episode(cls, name: str | None) -> str | None:
         return name if name is None else one_of("episode", name, episodes.names())
+
+    @field_validator("sampler")
+    @classmethod
+    def _sampler(cls, name: str) -> str:
+        return one_of("rollout.sampler", name, list(SAMPLERS))
 
     @field_validator("engine")
     @classmethod

@@ -104,14 +104,12 @@ def exchange(ranks: RankRows, batch: RolloutBatch, rewards: Tensor, advantages: 
     stacked to their common prompt and response width (``concat_batches``)."""
     device, where = batch.input_ids.device, (rewards.device, advantages.device)
     n = len(rewards)
-    cpu = on(batch, "cpu")
+    cpu, rewards_cpu, advantages_cpu = on(batch, "cpu"), rewards.cpu(), advantages.cpu()
     outgoing = []
     for rows in wanted:
         ids = rows[(rows >= start) & (rows < start + n)]                    # mine among its rows
         local = ids - start
-        piece = cpu.select(local)
-        piece.correct = None if cpu.correct is None else cpu.correct[local]   # (select drops it)
-        outgoing.append((ids, piece, rewards.cpu()[local], advantages.cpu()[local]))
+        outgoing.append((ids, rows_of(cpu, local), rewards_cpu[local], advantages_cpu[local]))
     pieces = [p for p in ranks.exchange_objects(outgoing) if len(p[0])]
     if not pieces:                                        # no rows dealt here
         return on(outgoing[ranks.rank][1], device), rewards[:0], advantages[:0]
@@ -120,11 +118,17 @@ def exchange(ranks: RankRows, batch: RolloutBatch, rewards: Tensor, advantages: 
     ids = torch.cat([p[0] for p in pieces])                                  # [n'] global, received
     position = {int(g): i for i, g in enumerate(ids)}
     order = torch.tensor([position[int(g)] for g in wanted[ranks.rank]], dtype=torch.long)
-    kept = got.select(order)
-    kept.correct = None if got.correct is None else got.correct[order]
+    kept = rows_of(got, order)
     all_rewards = torch.cat([p[2] for p in pieces])[order]                   # [n']
     all_advantages = torch.cat([widened(p[3], T) for p in pieces])[order]    # [n'] or [n', T]
     return on(kept, device), all_rewards.to(where[0]), all_advantages.to(where[1])
+
+
+def rows_of(batch: RolloutBatch, index: Tensor) -> RolloutBatch:
+    """Rows ``index`` of ``batch`` with their correctness (``select`` drops it)."""
+    out = batch.select(index)
+    out.correct = None if batch.correct is None else batch.correct[index]
+    return out
 
 
 def on(batch: RolloutBatch, device) -> RolloutBatch:
