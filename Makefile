@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-vllm test-verifiers bench clean
+.PHONY: install train test test-vllm test-verifiers test-verifiers-v1 bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -74,8 +74,23 @@ $(VF_STAMP): pyproject.toml
 test-verifiers: $(VF_STAMP)
 	$(VF_VENV)/bin/python -m pytest -q tests/rollout/test_verifiers_agent.py tests/rollout/test_reset_step.py
 
+# The verifiers v1 agent's real-library tests (skipped elsewhere) in a venv of their own: verifiers
+# 0.4 (the v1 API only) needs mcp 2, which the classic API's 0.3 excludes. Its harness programs run
+# with this venv's interpreter (agent.params.python: trainer), so no test installs anything.
+VF1_VENV := .venv-verifiers-v1
+VF1_STAMP := $(VF1_VENV)/.installed
+
+$(VF1_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VF1_VENV)
+	$(VF1_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(VF1_VENV)/bin/pip install --quiet -e ".[verifiers-v1]" "pytest>=7.4" "pytest-timeout>=2.2"
+	touch $(VF1_STAMP)
+
+test-verifiers-v1: $(VF1_STAMP)
+	$(VF1_VENV)/bin/python -m pytest -q tests/rollout/test_verifiers_v1.py
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/logprob_memory.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) $(VF1_VENV) runs .pytest_cache

@@ -10,8 +10,8 @@ from types import ModuleType
 from gspo.errors import UserError
 
 EXTRA = {"datasets": "data", "math_verify": "data", "reasoning_gym": "reasoning-gym", "verifiers": "verifiers",
-         "openai": "verifiers"}  # module -> the pip extra that installs it
-PACKAGE = {"math_verify": "math-verify", "reasoning_gym": "reasoning-gym"}
+         "verifiers.v1": "verifiers-v1", "openai": "verifiers"}  # module -> the pip extra that installs it
+PACKAGE = {"math_verify": "math-verify", "reasoning_gym": "reasoning-gym", "verifiers.v1": "verifiers"}
 
 
 def require(module: str, purpose: str) -> ModuleType:

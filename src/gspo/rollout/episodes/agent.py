@@ -9,7 +9,7 @@ For every batch the endpoint opens on a free port of 127.0.0.1 with a fresh key,
 ``fn(base_url, api_key, example)`` (sync or async) runs G times per example, each call in a
 thread of its own with its own ``base_url`` (the episode's identity). It returns the episode's
 reward, or (reward, info); ``agent.params`` are keyword arguments of every call, or the options
-of a built-in agent (``AGENTS``: ``verifiers``, in ``verifiers_env``). The calls it makes are
+of a built-in agent (``AGENTS``: ``verifiers`` in ``verifiers_env``, ``verifiers_v1`` in ``verifiers_v1``). The calls it makes are
 sampled by the run's engine with the run's sampling parameters, batched across episodes (``endpoint.batcher``), and stitched into rows
 (``endpoint.recorder``). The batch keeps one row per episode, N = P·G: the row of the episode's
 last call (the whole conversation when the agent only appends); rows left behind by a rewritten
@@ -51,7 +51,7 @@ MAX_WARNINGS = 3
 """Failed episodes reported on stderr per batch (all are counted)."""
 
 AGENTS: Registry[Callable[..., Callable]] = Registry("built-in agent", valid="built-in agents")
-"""Built-in agents by name (``agent.fn: verifiers``): each a factory called with ``agent.params``
+"""Built-in agents by name (``agent.fn: verifiers``, ``verifiers_v1``): each a factory called with ``agent.params``
 at set-up that returns the agent ``fn(base_url, api_key, example)``."""
 
 
