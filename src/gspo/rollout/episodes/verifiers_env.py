@@ -21,7 +21,7 @@ column, which ``task.chat: true`` fills with the prompt before the chat template
 the example's prompt),
 its ``answer``, and its ``info``, ``task`` and ``example_id`` columns when it has them. The rows come
 from the run's task; the environment's own dataset is not read. verifiers 0.4 (the v1 API only:
-tasksets, harnesses, an interception server) is refused; verifiers is an optional extra
+tasksets, harnesses, an interception server) is refused here and served by ``verifiers_v1``; verifiers is an optional extra
 (``pip install 'gspo[verifiers]'``), imported only when this agent is built.
 """
 
@@ -81,7 +81,7 @@ def verifiers(env_id: str, env_args: dict | None = None, sampling_args: dict | N
     version = str(getattr(vf, "__version__", "0"))
     if not version.startswith(("0.1.", "0.2.", "0.3.")):
         raise UserError(f"agent.fn=verifiers serves the classic API (verifiers < 0.4); verifiers {version} "
-                        f"has the v1 API only: pip install 'verifiers>=0.3.1,<0.4'")
+                        f"has the v1 API only: agent.fn=verifiers_v1 serves it (or pip install 'verifiers>=0.3.1,<0.4')")
     try:
         env = vf.load_environment(env_id, **(env_args or {}))
     except Exception as err:  # noqa: BLE001  the environment's own failure, said in one line
