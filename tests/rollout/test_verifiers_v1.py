@@ -214,3 +214,31 @@ def test_the_agent_pickles_as_its_options_and_builds_again(v1_env):
     assert again.options == agent.options and again.env is not agent.env
     assert type(again.env.taskset).__name__ == "QTaskset"
 
+
+
+@needs_v1
+def test_the_v1_sum_config_trains_through_the_trainer(tmp_path, capsys):
+    """configs/verifiers_v1_sum.yaml as shipped, shrunk: the cold start, then RL steps whose
+    episodes verifiers' null harness plays against the endpoint, scored by the taskset's reward
+    (1 for the right sum, so every reward is 0 or 1); no episode fails."""
+    import json
+
+    from gspo.cli import main
+    from gspo.envs.verifiers_v1_sum import SumData, SumTask
+    shrink = ["task.n_train=40", "task.n_test=4", "sft.steps=2", "sft.batch_size=8", "train.steps=2",
+              "rollout.prompts_per_step=2", "rollout.group_size=2", "eval.n=4", "eval.k=1",
+              "run.eval_every=0", "run.progress=false", "run.trackers=[]", f"sft.cache_dir={tmp_path / 'sft'}",
+              f"run.dir={tmp_path / 'run'}"]
+    assert main(["train", "configs/verifiers_v1_sum.yaml", *shrink]) == 0, capsys.readouterr().err
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [m for m in steps if "agent/calls_mean" in m]
+    assert len(rl) == 2 and all(m["agent/errors"] == 0 and m["agent/calls_mean"] == 1 for m in rl)
+    assert all(0.0 <= m["reward/mean"] <= 1.0 for m in rl)
+    task = SumTask(SumData(prompt="S 4 7 3 1:"))
+
+    class Reply:
+        def __init__(self, text):
+            self.last_reply, self.calls = text, [None]
+
+    import asyncio
+    assert asyncio.run(task.right_sum(Reply("#15"))) == 1.0 and asyncio.run(task.right_sum(Reply("#14"))) == 0.0

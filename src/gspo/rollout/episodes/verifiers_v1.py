@@ -12,7 +12,8 @@ recording endpoint, so every token the harness gets is sampled by the run's engi
 
 ``env`` is verifiers' own environment config (what ``vf-eval``'s ``--env.*`` flags and TOML files
 set), validated by ``verifiers.v1.resolve_env_config``; an agent's runtime defaults to
-``subprocess`` (a harness program on this machine; verifiers' own default is a remote sandbox).
+``subprocess`` (a harness program on this machine; verifiers' own default is a remote sandbox),
+and a taskset id may also be a module's dotted path (``gspo.envs.verifiers_v1_sum``).
 At set-up the environment is built once (a failure is one line). Each episode:
 
 * the task: the taskset's task type built from the example (its ``question`` column, else its
@@ -63,12 +64,27 @@ PYTHONS = ("trainer", "uv")
 
 
 def env_config(vf, env: dict):
-    """verifiers' environment config of ``env``, each agent's runtime ``subprocess`` unless set."""
+    """verifiers' environment config of ``env``, each agent's runtime ``subprocess`` unless set,
+    a dotted taskset id under its flat alias (``taskset_alias``)."""
     raw = copy.deepcopy(dict(env or {}))
     raw.setdefault("agent", {})
     if isinstance(raw["agent"], dict):
         raw["agent"].setdefault("runtime", {"type": "subprocess"})
+    taskset = raw.get("taskset")
+    if isinstance(taskset, dict) and "." in str(taskset.get("id", "")):
+        taskset["id"] = taskset_alias(taskset["id"])
     return vf.resolve_env_config(raw)
+
+
+def taskset_alias(dotted: str) -> str:
+    """verifiers' loader imports a taskset id as a top-level module (``my_taskset``, or its own
+    ``verifiers.v1.tasksets.<id>``); a module inside a package (``gspo.envs.verifiers_v1_sum``) is
+    imported here and registered under a flat alias of its name, which the loader then finds."""
+    import importlib
+    alias = "gspo_taskset__" + dotted.replace(".", "__")
+    if alias not in sys.modules:
+        sys.modules[alias] = importlib.import_module(dotted)
+    return alias
 
 
 def task_of(env, example: Example):
