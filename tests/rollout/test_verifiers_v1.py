@@ -133,6 +133,15 @@ def children() -> list[int]:
     return out
 
 
+def all_gone(within_s: float = 10.0) -> bool:
+    """No child process and no endpoint thread left, waiting up to ``within_s``: the endpoint shuts
+    its connections' sockets at close, and their threads end once they read the EOF."""
+    deadline = time.monotonic() + within_s
+    while (children() or endpoint_threads()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not children() and not endpoint_threads()
+
+
 @needs_v1
 def test_a_v1_environment_gives_the_batch_of_the_hand_written_agent(tok, v1_env):
     """verifiers' interception server and its chat program (a subprocess run by this interpreter)
@@ -147,7 +156,7 @@ def test_a_v1_environment_gives_the_batch_of_the_hand_written_agent(tok, v1_env)
     assert got.records[0].info["verifiers_metrics"] == {"replies": 1.0}
     m = episode.metrics
     assert m["agent/errors"] == 0 and m["agent/timeouts"] == 0 and m["agent/rows_per_episode"] == 1
-    assert not endpoint_threads() and not children()
+    assert all_gone()
 
 
 @needs_v1
@@ -188,10 +197,7 @@ def test_an_episode_past_its_deadline_leaves_no_program_port_or_thread(tok, v1_e
     episode, batch = agent_batch(agent_function("verifiers_v1", {"env": v1_env}), tok, Slow(tok), examples(1),
                                  timeout_s=2.0, batch_wait_s=0.2)
     assert episode.metrics["agent/timeouts"] == 2 and [r.reward for r in batch.records] == [None, None]
-    deadline = time.monotonic() + 10
-    while (children() or endpoint_threads()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not children() and not endpoint_threads()
+    assert all_gone()
     assert time.monotonic() - start < 30
 
 
