@@ -153,7 +153,12 @@ def run_programs_with_this_interpreter() -> None:
             with open(tmp, "w") as f:
                 f.write(text)
             os.replace(tmp, path)
-        return [sys.executable, path]
+        if not activate:
+            return [sys.executable, path]
+        # as verifiers activates its uv environment: this interpreter's environment first on the
+        # PATH of the program and the commands it runs
+        return ["sh", "-c", 'export VIRTUAL_ENV="$1" PATH="$1/bin:$PATH"; shift; exec "$@"', "gspo-python",
+                sys.prefix, sys.executable, path]
 
     prepare.gspo_trainer_python = True
     SubprocessRuntime.prepare_uv_script = prepare
