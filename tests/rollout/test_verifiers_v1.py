@@ -44,6 +44,43 @@ def test_a_scripts_declared_dependencies_are_read_and_checked_here():
     assert installed_here(['no-such-package-gspo; python_version < "3"'])   # its marker excludes it here
 
 
+def test_the_gate_bounds_episodes_across_threads_and_a_cancelled_wait_takes_no_permit():
+    """Episodes run in threads of their own, each with its own event loop: at most n of them hold
+    the gate at once, and one cancelled while it waits (its deadline) leaves every permit free."""
+    import asyncio
+    import threading
+
+    from gspo.rollout.episodes.verifiers_v1 import Gate
+    gate, live, peak, lock = Gate(2), [0], [0], threading.Lock()
+
+    async def episode():
+        async with gate():
+            with lock:
+                live[0] += 1
+                peak[0] = max(peak[0], live[0])
+            await asyncio.sleep(0.05)
+            with lock:
+                live[0] -= 1
+
+    threads = [threading.Thread(target=asyncio.run, args=(episode(),)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == 2
+
+    async def cancelled_while_waiting():
+        async with gate():
+            async with gate():
+                try:
+                    await asyncio.wait_for(episode(), 0.1)        # both permits are held: it times out waiting
+                except asyncio.TimeoutError:
+                    return "timed out"
+
+    assert asyncio.run(cancelled_while_waiting()) == "timed out"
+    assert all(gate.permits.acquire(blocking=False) for _ in range(2))   # both permits free again
+
+
 def test_without_verifiers_0_4_the_message_says_how(monkeypatch):
     if V1:
         pytest.skip("verifiers 0.4 is installed here")
@@ -204,6 +241,7 @@ def test_an_episode_past_its_deadline_leaves_no_program_port_or_thread(tok, v1_e
 @needs_v1
 def test_what_is_refused_is_one_line(v1_env):
     for params, match in [({"env": v1_env, "python": "conda"}, "agent.params.python='conda'"),
+                          ({"env": v1_env, "max_concurrent": 0}, "agent.params.max_concurrent=0"),
                           ({"env": {"taskset": {"id": "no_such_taskset_gspo"}}}, "could not build the environment"),
                           ({"env": v1_env, "envargs": {}}, "unexpected argument")]:
         with pytest.raises((UserError, ValueError), match=match) as err:

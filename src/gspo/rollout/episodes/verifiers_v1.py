@@ -25,6 +25,9 @@ At set-up the environment is built once (a failure is one line). Each episode:
   shallow copy of the environment (``serving()`` keeps its interception server on the object, and
   the episodes of a batch run at once): each episode has its interception server, torn down with
   its harness program when the episode ends or is cancelled at ``agent.timeout_s``.
+* at most ``max_concurrent`` episodes at once (16 by default): each is an interception server and
+  a harness process of about 100 MB, and a batch's P·G episodes would otherwise all start
+  together; the others wait their turn within ``agent.timeout_s``.
 * the reward: the sum of the episode's traces' rewards (one trace for a single-agent
   environment), their metrics kept in the row's info. An episode verifiers does not finish ``ok``
   raises with its first error, so it is counted in ``agent/errors`` and gets no reward.
@@ -43,12 +46,15 @@ only when this agent is built; its classic API (0.3.x) is ``agent.fn=verifiers``
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import functools
 import importlib.metadata
 import os
 import re
 import sys
+import threading
 import uuid
 
 from gspo.errors import UserError
@@ -164,12 +170,31 @@ def run_programs_with_this_interpreter() -> None:
     SubprocessRuntime.prepare_uv_script = prepare
 
 
+class Gate:
+    """At most ``n`` episodes of this process at once, across the threads and event loops the
+    episodes run in; a waiting episode polls, so that cancelling it leaves no permit taken."""
+
+    POLL_S = 0.02
+
+    def __init__(self, n: int):
+        self.permits = threading.BoundedSemaphore(n)
+
+    @contextlib.asynccontextmanager
+    async def __call__(self):
+        while not self.permits.acquire(blocking=False):
+            await asyncio.sleep(self.POLL_S)
+        try:
+            yield
+        finally:
+            self.permits.release()
+
+
 class VerifiersV1Agent:
     """``agent(base_url, api_key, example)`` (async): one verifiers v1 episode, scored by its
     taskset. Pickled as its options: an asynchronous worker process builds the environment again."""
 
-    def __init__(self, env, options: tuple):
-        self.env, self.options = env, options
+    def __init__(self, env, options: tuple, max_concurrent: int):
+        self.env, self.options, self.gate = env, options, Gate(max_concurrent)
 
     def __reduce__(self):
         return verifiers_v1, self.options
@@ -180,7 +205,7 @@ class VerifiersV1Agent:
         client = vf.EvalClientConfig(base_url=base_url, api_key_var=KEY_VAR)
         ctx = vf.ModelContext(model=MODEL, client=client)
         env = copy.copy(self.env)              # its own interception server (serving() keeps it on the object)
-        async with env.serving():
+        async with self.gate(), env.serving():
             episode = await env.run_episode(task_of(env, example), ctx)
         errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]
         if not episode.ok:
@@ -191,11 +216,15 @@ class VerifiersV1Agent:
 
 
 @AGENTS.register("verifiers_v1")
-def verifiers_v1(env: dict, python: str = "trainer") -> VerifiersV1Agent:
+def verifiers_v1(env: dict, python: str = "trainer", max_concurrent: int = 16) -> VerifiersV1Agent:
     """The v1 environment of ``env`` (verifiers' environment config: ``taskset``, ``agent``'s
-    harness and runtime, timeouts), built once; ``python``: how harness programs run (module doc)."""
+    harness and runtime, timeouts), built once; ``python``: how harness programs run (module doc);
+    ``max_concurrent``: episodes played at once (each is an interception server and a harness
+    process, about 100 MB; the others wait their turn within ``agent.timeout_s``)."""
     if python not in PYTHONS:
         raise UserError(f"agent.params.python={python!r}: expected one of {', '.join(PYTHONS)}")
+    if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
+        raise UserError(f"agent.params.max_concurrent={max_concurrent!r}: expected a whole number >= 1")
     vf = require("verifiers.v1", "agent.fn=verifiers_v1")
     version = importlib.metadata.version("verifiers")
     if not re.match(r"0\.4\.", version):
@@ -208,4 +237,4 @@ def verifiers_v1(env: dict, python: str = "trainer") -> VerifiersV1Agent:
                         f"{type(err).__name__}: {err}".splitlines()[0][:300]) from None
     if python == "trainer":
         run_programs_with_this_interpreter()
-    return VerifiersV1Agent(environment, (env, python))
+    return VerifiersV1Agent(environment, (env, python, max_concurrent), max_concurrent)
