@@ -17,6 +17,7 @@ from __future__ import annotations
 import verifiers.v1 as vf
 
 from gspo.envs.verifiers_sum import final_answer, target
+from gspo.tasks.multistep import MultiStep
 
 
 class SumData(vf.TaskData):
@@ -39,7 +40,6 @@ class SumTaskset(vf.Taskset[SumTask]):
     """The default job's first 100 test questions (its own split, seed 0)."""
 
     def load(self):
-        from gspo.tasks.multistep import MultiStep
         for ex in MultiStep(seed=0, n_train=0, n_test=100, max_value=9).split("test"):
             yield SumTask(SumData(prompt=str(ex.data.get("question", ex.prompt))), self.config.task)
 

@@ -26,18 +26,24 @@ from gspo.tasks.base import Example, TaskDataError
 RESERVED = ("completion",)  # the first argument of reward functions; cannot be a column
 
 
+def load_module(module_name: str, spec: str | None = None):
+    """Import the dotted module a config names, from cwd or PYTHONPATH (ValueError, one line)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    except Exception as e:  # an import error or any failure while running the module
+        raise ValueError(f"cannot import module {module_name!r} for {spec or module_name!r}: "
+                         f"{type(e).__name__}: {e}") from e
+
+
 def load_function(spec: str) -> Callable:
     """Import `module:function` (dotted module; attribute path after the colon) from cwd or PYTHONPATH."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward function must be given as 'module:function', got {spec!r}")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # an import error or any failure while running the module
-        raise ValueError(f"cannot import module {module_name!r} for {spec!r}: {type(e).__name__}: {e}") from e
+    obj = load_module(module_name, spec)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {spec!r})")

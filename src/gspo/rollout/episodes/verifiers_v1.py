@@ -61,6 +61,7 @@ from gspo.errors import UserError
 from gspo.optional import require
 from gspo.rollout.episodes.agent import AGENTS
 from gspo.tasks import Example
+from gspo.tasks.custom import load_module
 
 MODEL = "policy"
 """The model name the harness sends (the endpoint serves the run's policy under any name)."""
@@ -86,10 +87,9 @@ def taskset_alias(dotted: str) -> str:
     """verifiers' loader imports a taskset id as a top-level module (``my_taskset``, or its own
     ``verifiers.v1.tasksets.<id>``); a module inside a package (``gspo.envs.verifiers_v1_sum``) is
     imported here and registered under a flat alias of its name, which the loader then finds."""
-    import importlib
     alias = "gspo_taskset__" + dotted.replace(".", "__")
     if alias not in sys.modules:
-        sys.modules[alias] = importlib.import_module(dotted)
+        sys.modules[alias] = load_module(dotted, f"agent.params.env.taskset.id={dotted}")
     return alias
 
 
