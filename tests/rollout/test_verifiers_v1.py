@@ -78,7 +78,9 @@ def test_the_gate_bounds_episodes_across_threads_and_a_cancelled_wait_takes_no_p
                     return "timed out"
 
     assert asyncio.run(cancelled_while_waiting()) == "timed out"
-    assert all(gate.permits.acquire(blocking=False) for _ in range(2))   # both permits free again
+    assert all(gate.permits.acquire(timeout=2.0) for _ in range(2))      # both permits free again
+    assert not gate.permits.acquire(timeout=0.2)                          # and no third
+    gate.permits.release(), gate.permits.release()
 
 
 def test_without_verifiers_0_4_the_message_says_how(monkeypatch):

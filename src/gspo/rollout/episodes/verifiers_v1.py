@@ -172,17 +172,38 @@ def run_programs_with_this_interpreter() -> None:
 
 class Gate:
     """At most ``n`` episodes of this process at once, across the threads and event loops the
-    episodes run in; a waiting episode polls, so that cancelling it leaves no permit taken."""
-
-    POLL_S = 0.02
+    episodes run in. A waiting episode blocks a daemon thread of its own, not its loop (no polling:
+    dozens of waiting episodes would keep the trainer's interpreter busy, nor a pool whose threads
+    the interpreter joins at exit); cancelled while waiting, the permit its thread still takes, or
+    took a moment ago, is handed back."""
 
     def __init__(self, n: int):
         self.permits = threading.BoundedSemaphore(n)
 
     @contextlib.asynccontextmanager
     async def __call__(self):
-        while not self.permits.acquire(blocking=False):
-            await asyncio.sleep(self.POLL_S)
+        loop = asyncio.get_running_loop()
+        got = loop.create_future()
+        guard, state = threading.Lock(), {"abandoned": False, "handed": False}
+
+        def take():
+            self.permits.acquire()
+            with guard:
+                if state["abandoned"]:
+                    self.permits.release()
+                    return
+                state["handed"] = True
+            loop.call_soon_threadsafe(lambda: got.done() or got.set_result(None))
+
+        threading.Thread(target=take, name="gspo-v1-gate", daemon=True).start()
+        try:
+            await got
+        except BaseException:
+            with guard:
+                state["abandoned"] = True
+                if state["handed"]:
+                    self.permits.release()
+            raise
         try:
             yield
         finally:
