@@ -93,8 +93,6 @@ def test_without_verifiers_0_4_the_message_says_how(monkeypatch):
 
 V1_TASKSET = '''
 """A verifiers v1 taskset: the run's questions; reward: the final reply's length."""
-import asyncio
-
 import verifiers.v1 as vf
 
 
@@ -129,7 +127,6 @@ def v1_env(tmp_path, monkeypatch):
     """The taskset module ``gspo_v1_q`` importable, and its env config under the null harness."""
     (tmp_path / "gspo_v1_q.py").write_text(textwrap.dedent(V1_TASKSET))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     return {"taskset": {"id": "gspo_v1_q"}, "agent": {"harness": {"id": "null"}}}
 
 
@@ -213,7 +210,7 @@ def test_the_chat_programs_tool_turns_continue_one_row(tok, v1_env):
     trained = tok.decode(batch.response_ids[i][batch.response_mask[i] > 0])
     assert row.count("<tool_call>") >= 1 and "<|im_start|>tool" in row
     assert "<tool_call>" in trained and "<|im_start|>tool" not in trained and "done" in trained
-    assert batch.records[i].reward == float(len("done 1")) or batch.records[i].reward == float(len("done 0"))
+    assert batch.records[i].reward == float(len("done k"))          # the last reply, "done 0" or "done 1"
 
 
 @needs_v1

@@ -50,6 +50,7 @@ import asyncio
 import contextlib
 import copy
 import functools
+import hashlib
 import importlib.metadata
 import os
 import re
@@ -151,7 +152,6 @@ def run_programs_with_this_interpreter() -> None:
         deps = script_dependencies(text)
         if deps is None or not installed_here(deps):
             return await own(self, script, env, activate=activate)
-        import hashlib
         path = f"{self.scripts_dir}/{hashlib.sha256(text.encode()).hexdigest()}.gspo.py"
         if not os.path.exists(path):                # episodes of a batch prepare it at once: each
             os.makedirs(self.scripts_dir, exist_ok=True)    # writes its own file, then renames it
@@ -228,8 +228,8 @@ class VerifiersV1Agent:
         env = copy.copy(self.env)              # its own interception server (serving() keeps it on the object)
         async with self.gate(), env.serving():
             episode = await env.run_episode(task_of(env, example), ctx)
-        errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]
         if not episode.ok:
+            errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]
             why = f"{errors[0].type}: {errors[0].message}" if errors else "not ok"
             raise RuntimeError(f"the verifiers episode failed: {why}".splitlines()[0][:300])
         metrics = {k: float(v) for t in episode.traces for k, v in t.metrics.items() if v is not None}
